@@ -1,0 +1,112 @@
+"""Log-likelihood tasks scored by lm-eval in-process, with lm-eval's own task YAMLs.
+
+For each run we write a one-task YAML that ``include:``s the installed lm-eval YAML and, with ``data_dir``,
+overrides only where the data comes from: ``dataset_path: json`` reading ``<data_dir>/<task>/<split>.jsonl``.
+Prompts, choices and metrics stay lm-eval's. Locally only the evaluated split exists, so it becomes lm-eval's
+``test_split`` and its few-shot pool; lm-eval then removes the scored document from its own few-shot draw.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from h2o_eval.errors import ConfigError
+
+
+def lm_eval_tasks_dir() -> Path:
+    import lm_eval
+
+    return Path(lm_eval.__file__).parent / "tasks"
+
+
+def evaluated_split(task: dict[str, Any]) -> str:
+    """The split lm-eval scores for this task: its ``test_split``, else its ``validation_split``."""
+    source = lm_eval_tasks_dir() / task["lm_eval_yaml"]
+    config = yaml.load(source.read_text(), Loader=_IgnoreTagsLoader)
+    split = config.get("test_split") or config.get("validation_split")
+    if not split:
+        raise ConfigError(f"{source} names no test or validation split: pick another task")
+    return split
+
+
+def local_data_file(task: dict[str, Any], data_dir: str | Path) -> Path:
+    """Where the evaluated split is read from under ``data_dir``; fails early if it is not there."""
+    path = Path(data_dir) / task["name"] / f"{evaluated_split(task)}.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"no data file {path}: put it there or change data_dir={data_dir}")
+    return path
+
+
+def task_yaml(task: dict[str, Any], data_dir: str | Path | None) -> dict[str, Any]:
+    """The lm-eval task config for one run: lm-eval's YAML, plus local data files when ``data_dir`` is set."""
+    config: dict[str, Any] = {
+        "task": task["name"],
+        "include": str(lm_eval_tasks_dir() / task["lm_eval_yaml"]),
+    }
+    if data_dir is not None:
+        split = evaluated_split(task)
+        config |= {
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {"data_files": {split: str(local_data_file(task, data_dir).resolve())}},
+            "training_split": None,
+            "validation_split": None,
+            "test_split": split,
+            "fewshot_split": split,
+        }
+    return config
+
+
+def evaluate(
+    model: Any,
+    tokenizer: Any,
+    task: dict[str, Any],
+    *,
+    data_dir: str | Path | None,
+    work_dir: Path,
+    num_fewshot: int,
+    limit: int | float | None,
+    batch_size: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Score ``model`` on ``task`` with lm-eval; returns lm-eval's results dict (with ``n-samples``)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    task_dir = work_dir / "lm_eval_tasks"
+    task_dir.mkdir(parents=True, exist_ok=True)
+    (task_dir / f"{task['name']}.yaml").write_text(yaml.safe_dump(task_yaml(task, data_dir), sort_keys=False))
+    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    return simple_evaluate(
+        model=lm,
+        tasks=[task["name"]],
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=manager,
+        log_samples=False,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+
+
+def metrics(results: dict[str, Any], task_name: str) -> dict[str, float]:
+    """lm-eval's metrics for one task without the filter suffix: ``acc``, ``acc_stderr``, ``acc_norm`` ..."""
+    return {
+        key.split(",")[0]: value
+        for key, value in results["results"][task_name].items()
+        if "," in key and isinstance(value, int | float)
+    }
+
+
+class _IgnoreTagsLoader(yaml.SafeLoader):
+    """Reads lm-eval YAMLs for their plain keys, leaving ``!function`` tags unresolved."""
+
+
+_IgnoreTagsLoader.add_multi_constructor("!", lambda loader, suffix, node: None)

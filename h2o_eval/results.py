@@ -1,0 +1,93 @@
+"""The result store: one JSON record per run, written atomically, named by what determines the result."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+VERSIONED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "h2o_eval")
+# Settings that change where a run is written or how it is reported, never its numbers.
+NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "data_dir")
+
+
+def identity(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of a resolved config that determines a run's numbers (plus whether data came from disk)."""
+    ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY}
+    ident["data"] = "local" if config.get("data_dir") else "hub"
+    return ident
+
+
+def record_path(results_dir: str | Path, config: dict[str, Any]) -> Path:
+    """``<results_dir>/<model>__<task>__<policy>__b<budget>__<protocol>__<k>shot__<hash>.json``."""
+    ident = identity(config)
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = "__".join(
+        [
+            config["model"]["name"],
+            config["task"]["name"],
+            config["policy"]["name"],
+            f"b{config['budget']}",
+            str(config["protocol"]),
+            f"{config['num_fewshot']}shot",
+            digest,
+        ]
+    )
+    return Path(results_dir) / f"{name}.json"
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """Write ``record`` as JSON so that readers see either nothing or the whole file (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(record, handle, indent=2, sort_keys=True, default=str)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def load_records(results_dir: str | Path) -> list[dict[str, Any]]:
+    """Every complete record directly under ``results_dir`` (temp files of unfinished writes are ignored)."""
+    return [read_record(path) for path in sorted(Path(results_dir).glob("*.json"))]
+
+
+def versions() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"python": platform.python_version()}
+    for package in VERSIONED_PACKAGES:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    return found
+
+
+def git_commit() -> dict[str, Any]:
+    """The commit of the h2o_eval source tree this run used (``None`` outside a git checkout)."""
+    source = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=source, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"commit": commit, "dirty": bool(dirty) if commit else None}

@@ -1,0 +1,133 @@
+"""One run: validate the config, skip if its record exists, evaluate, write the record, log to W&B."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from h2o_eval import harness, results, tracking
+from h2o_eval.errors import ConfigError
+
+PROTOCOLS = ("simulate", "prefill")
+DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill"}
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate(config: dict[str, Any]) -> dict[str, Any]:
+    """Check every setting that needs no model; returns the config with defaults resolved.
+
+    The protocol defaults by task kind; the ``full`` policy keeps the whole cache, so its budget is 1.0.
+    """
+    budget = config["budget"]
+    if not (_is_int(budget) and budget >= 1) and not (isinstance(budget, float) and 0 < budget <= 1):
+        raise ConfigError(f"budget={budget!r}: use a fraction in (0, 1] such as 0.2, or a token count >= 1")
+    limit = config["limit"]
+    if (
+        limit is not None
+        and not (_is_int(limit) and limit >= 1)
+        and not (isinstance(limit, float) and 0 < limit < 1)
+    ):
+        raise ConfigError(
+            f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all"
+        )
+    if not _is_int(config["num_fewshot"]) or config["num_fewshot"] < 0:
+        raise ConfigError(f"num_fewshot={config['num_fewshot']!r}: use an integer >= 0")
+    if not _is_int(config["batch_size"]) or config["batch_size"] < 1:
+        raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
+    if not _is_int(config["seed"]):
+        raise ConfigError(f"seed={config['seed']!r}: use an integer")
+    protocol = config["protocol"] or DEFAULT_PROTOCOL[config["task"]["kind"]]
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol={protocol!r}: use one of {', '.join(PROTOCOLS)}")
+    if config["wandb"]["mode"] not in WANDB_MODES:
+        raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
+    if config["data_dir"] is not None:
+        harness.local_data_file(config["task"], config["data_dir"])
+    if config["policy"]["name"] == "full":
+        budget = 1.0
+    return {**config, "protocol": protocol, "budget": budget}
+
+
+def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
+    """Run one resolved config (the Hydra config as a plain dict) and return its result record.
+
+    ``work_dir`` receives the files of this run besides its record (lm-eval task YAMLs, W&B's
+    offline files); a temporary directory is used when it is None.
+    """
+    config = validate(config)
+    path = results.record_path(config["results_dir"], config)
+    if path.exists() and not config["overwrite"]:
+        record = results.read_record(path)
+        print(f"skipped: {path} exists (overwrite=true reruns it)")
+        print(summary_line(record))
+        return record
+
+    from h2o_eval.models import load_model
+
+    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
+    start = time.perf_counter()
+    model, tokenizer = load_model(config["model"], device=config["device"], dtype=config["dtype"])
+    output = harness.evaluate(
+        model,
+        tokenizer,
+        config["task"],
+        data_dir=config["data_dir"],
+        work_dir=work_dir,
+        num_fewshot=config["num_fewshot"],
+        limit=config["limit"],
+        batch_size=config["batch_size"],
+        seed=config["seed"],
+    )
+    task_name = config["task"]["name"]
+    record = {
+        "schema_version": results.SCHEMA_VERSION,
+        "model": config["model"]["name"],
+        "task": task_name,
+        "policy": config["policy"]["name"],
+        "budget": config["budget"],
+        "heavy_ratio": config["policy"].get("heavy_ratio"),
+        "protocol": config["protocol"],
+        "num_fewshot": config["num_fewshot"],
+        "limit": config["limit"],
+        "seed": config["seed"],
+        "metrics": harness.metrics(output, task_name),
+        "n_samples": output["n-samples"][task_name]["effective"],
+        "wall_seconds": round(time.perf_counter() - start, 3),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": results.versions(),
+        "git": results.git_commit(),
+        "config": config,
+    }
+    results.write_record(path, record)
+
+    from lm_eval.utils import make_table
+
+    print(make_table(output))
+    print(summary_line(record))
+    print(f"record: {path}")
+    tracking.log_run(config["wandb"], record, path.stem, work_dir)
+    return record
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    scores = "  ".join(
+        f"{name}={value:.4f}" for name, value in record["metrics"].items() if not name.endswith("_stderr")
+    )
+    return (
+        f"{record['model']} | {record['task']} | {record['policy']} budget={record['budget']} "
+        f"{record['protocol']} {record['num_fewshot']}-shot | n={record['n_samples']} | {scores} "
+        f"| {record['wall_seconds']:.1f} s"
+    )
+
+
+def fail(error: ConfigError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,117 @@
+"""The CLI contract, end to end in a subprocess: a run, its record, the rerun skip, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+RECORD_KEYS = {
+    "model",
+    "task",
+    "policy",
+    "budget",
+    "heavy_ratio",
+    "protocol",
+    "num_fewshot",
+    "limit",
+    "metrics",
+    "n_samples",
+    "wall_seconds",
+    "versions",
+    "git",
+    "config",
+    "seed",
+    "created",
+    "schema_version",
+}
+
+
+def h2o_eval(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(
+        [sys.executable, "-m", "h2o_eval", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_cli_runs_records_logs_and_skips_the_rerun(tmp_path, data_dir):
+    args = (
+        "model=tiny-llama",
+        "task=piqa",
+        "policy=full",
+        "limit=12",
+        "batch_size=4",
+        f"data_dir={data_dir}",
+        "results_dir=out",
+    )
+    done = h2o_eval(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = list((tmp_path / "out").glob("*.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text())
+    assert record.keys() >= RECORD_KEYS
+    assert (record["model"], record["task"], record["policy"], record["protocol"]) == (
+        "tiny-llama",
+        "piqa",
+        "full",
+        "simulate",
+    )
+    assert record["n_samples"] == 12 and record["limit"] == 12
+    assert {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= record["metrics"].keys()
+    assert 0.0 <= record["metrics"]["acc"] <= 1.0
+    assert record["config"]["data_dir"] == str(data_dir)
+    assert record["versions"]["lm_eval"] and record["versions"]["transformers"].startswith("5.")
+    assert "| piqa" in done.stdout and "acc" in done.stdout  # the summary table
+    assert list((tmp_path / "out").rglob("offline-run-*/run-*.wandb")), "W&B offline run not written"
+    assert not list((tmp_path / "out").glob(".*.tmp"))
+
+    before = records[0].stat().st_mtime_ns
+    again = h2o_eval(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "skipped" in again.stdout
+    assert records[0].stat().st_mtime_ns == before
+    assert list((tmp_path / "out").glob("*.json")) == records
+
+
+def test_cfg_job_shows_the_resolved_config_from_any_directory(tmp_path):
+    done = h2o_eval("--cfg", "job", "model=tiny-opt", "task=rte", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "name: tiny-opt" in done.stdout and "lm_eval_yaml: glue/rte/default.yaml" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("group", "valid"), [("model", "smollm2-135m"), ("task", "winogrande"), ("policy", "full")]
+)
+def test_unknown_name_lists_the_valid_ones(tmp_path, group, valid):
+    done = h2o_eval(f"{group}=nonexistent", cwd=tmp_path)
+    assert done.returncode != 0
+    assert f"Could not find '{group}/nonexistent'" in done.stderr
+    assert f"Available options in '{group}'" in done.stderr and valid in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("budget=0", "budget=0: use a fraction in (0, 1]"),
+        ("budget=1.5", "budget=1.5: use a fraction in (0, 1]"),
+        ("budget=-3", "budget=-3"),
+        ("limit=0", "limit=0: use a document count >= 1"),
+        ("num_fewshot=-1", "num_fewshot=-1: use an integer >= 0"),
+        ("protocol=stream", "protocol='stream': use one of simulate, prefill"),
+        ("data_dir=nowhere", "nowhere/copa/validation.jsonl: put it there or change data_dir="),
+    ],
+)
+def test_bad_value_is_a_one_line_error_and_no_record(tmp_path, override, message):
+    done = h2o_eval("model=smollm2-135m", "task=copa", override, cwd=tmp_path)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
+    assert not list(tmp_path.rglob("*.json"))

@@ -1,0 +1,95 @@
+"""lm-eval integration: the runner scores exactly what lm-eval scores, from local data, with its prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import make_config
+
+from h2o_eval import harness
+from h2o_eval.models import load_model
+from h2o_eval.run import run
+
+TASKS = ("copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande")
+
+
+def test_run_acc_equals_lm_eval_simple_evaluate(tmp_path, data_dir):
+    """Reference: lm-eval's simple_evaluate on a hand-written local-data COPA YAML; implementation: run()."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    config = make_config(
+        data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=24, batch_size=4
+    )
+    record = run(config, tmp_path / "work")
+
+    task_dir = tmp_path / "reference_tasks"
+    task_dir.mkdir()
+    reference_yaml = {
+        "task": "copa_reference",
+        "include": str(harness.lm_eval_tasks_dir() / "super_glue/copa/default.yaml"),
+        "dataset_path": "json",
+        "dataset_name": None,
+        "dataset_kwargs": {"data_files": {"validation": str(data_dir / "copa" / "validation.jsonl")}},
+        "training_split": None,
+    }
+    (task_dir / "copa_reference.yaml").write_text(yaml.safe_dump(reference_yaml))
+    model, tokenizer = load_model("tiny-llama")
+    reference = simple_evaluate(
+        model=HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4),
+        tasks=["copa_reference"],
+        num_fewshot=0,
+        limit=24,
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+        log_samples=False,
+    )
+    assert record["n_samples"] == 24
+    assert record["metrics"]["acc"] == reference["results"]["copa_reference"]["acc,none"]
+    assert record["metrics"]["acc_stderr"] == reference["results"]["copa_reference"]["acc_stderr,none"]
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_every_task_loads_all_local_documents_with_lm_eval_prompts(tmp_path, data_dir, name):
+    """Every document of the local file is evaluated, and the prompt fields are lm-eval's own."""
+    task = make_config(data_dir, tmp_path, task=name)["task"]
+    path = harness.local_data_file(task, data_dir)
+    loaded = _load_local_task(tmp_path, data_dir, name)
+    original = yaml.load(
+        (harness.lm_eval_tasks_dir() / task["lm_eval_yaml"]).read_text(), Loader=harness._IgnoreTagsLoader
+    )
+
+    docs = list(loaded.eval_docs)
+    assert len(docs) == sum(1 for _ in path.open())
+    assert docs[0] == json.loads(path.open().readline())
+    for field in ("doc_to_text", "doc_to_target", "doc_to_choice"):
+        if isinstance(original[field], str | list):
+            assert getattr(loaded.config, field) == original[field]
+    assert loaded.doc_to_choice(docs[0])
+    assert {m["metric"] for m in loaded.config.metric_list} == {m["metric"] for m in original["metric_list"]}
+
+
+@pytest.mark.parametrize("name", ["copa", "piqa"])
+def test_few_shot_examples_never_include_the_scored_document(tmp_path, data_dir, name):
+    """Locally the few-shot pool is the evaluated split itself; no context may show the scored document."""
+    task = _load_local_task(tmp_path, data_dir, name)
+    task.set_fewshot_seed(1234)
+    for doc in list(task.eval_docs)[:60]:
+        question = task.doc_to_text(doc)
+        target = task.doc_to_target(doc)
+        answer = task.doc_to_choice(doc)[target] if isinstance(target, int) else target
+        answered = question + task.config.target_delimiter + answer
+        context = task.fewshot_context(doc, num_fewshot=5)
+        assert context.endswith(question)
+        assert context.count(task.config.fewshot_delimiter) == 5
+        assert answered not in context
+
+
+def _load_local_task(tmp_path, data_dir, name):
+    from lm_eval.tasks import TaskManager
+
+    task = make_config(data_dir, tmp_path, task=name)["task"]
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(harness.task_yaml(task, data_dir)))
+    return TaskManager(include_path=str(tmp_path), include_defaults=False).load([name])["tasks"][name]
