@@ -53,9 +53,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def load_model(
-    name: str | dict[str, Any], *, device: str = "auto", dtype: str = "auto"
-) -> tuple[torch.nn.Module, Any]:
+def load_model(name: str | dict[str, Any], *, device: str = "auto", dtype: str = "auto") -> tuple[torch.nn.Module, Any]:
     """Load ``(model, tokenizer)`` in eval mode from a registry name, a registry config, an HF id or a path.
 
     ``device``/``dtype`` "auto" mean CUDA in float16 when present, else CPU in float32.

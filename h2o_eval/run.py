@@ -30,14 +30,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if not (_is_int(budget) and budget >= 1) and not (isinstance(budget, float) and 0 < budget <= 1):
         raise ConfigError(f"budget={budget!r}: use a fraction in (0, 1] such as 0.2, or a token count >= 1")
     limit = config["limit"]
-    if (
-        limit is not None
-        and not (_is_int(limit) and limit >= 1)
-        and not (isinstance(limit, float) and 0 < limit < 1)
-    ):
-        raise ConfigError(
-            f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all"
-        )
+    if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
+        raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
     if not _is_int(config["num_fewshot"]) or config["num_fewshot"] < 0:
         raise ConfigError(f"num_fewshot={config['num_fewshot']!r}: use an integer >= 0")
     if not _is_int(config["batch_size"]) or config["batch_size"] < 1:

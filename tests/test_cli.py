@@ -87,9 +87,7 @@ def test_cfg_job_shows_the_resolved_config_from_any_directory(tmp_path):
     assert "name: tiny-opt" in done.stdout and "lm_eval_yaml: glue/rte/default.yaml" in done.stdout
 
 
-@pytest.mark.parametrize(
-    ("group", "valid"), [("model", "smollm2-135m"), ("task", "winogrande"), ("policy", "full")]
-)
+@pytest.mark.parametrize(("group", "valid"), [("model", "smollm2-135m"), ("task", "winogrande"), ("policy", "full")])
 def test_unknown_name_lists_the_valid_ones(tmp_path, group, valid):
     done = h2o_eval(f"{group}=nonexistent", cwd=tmp_path)
     assert done.returncode != 0

@@ -21,9 +21,7 @@ def test_run_acc_equals_lm_eval_simple_evaluate(tmp_path, data_dir):
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    config = make_config(
-        data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=24, batch_size=4
-    )
+    config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=24, batch_size=4)
     record = run(config, tmp_path / "work")
 
     task_dir = tmp_path / "reference_tasks"

@@ -48,12 +48,8 @@ def test_missing_data_file_names_the_path_and_the_setting(tmp_path, no_model_loa
 
 
 def test_full_policy_records_budget_one_whatever_was_asked(tmp_path, data_dir, no_model_loading):
-    ask_02 = results.record_path(
-        tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.2))
-    )
-    ask_05 = results.record_path(
-        tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.5))
-    )
+    ask_02 = results.record_path(tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.2)))
+    ask_05 = results.record_path(tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.5)))
     assert ask_02 == ask_05 and "__b1.0__" in ask_02.name
 
 
