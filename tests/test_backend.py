@@ -1,0 +1,233 @@
+"""The backend on real (tiny) transformers models: each protocol against an independent path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_eval import EvictionCache, load_model, make_policy, patch
+from h2o_eval.errors import ConfigError
+
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt", "tiny-gpt-neox", "tiny-gpt2"]
+EVICTING = ["h2o", "local", "heavy", "streaming", "tova", "random"]
+ALL = ["full", *EVICTING, "h2o_reference"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = load_model(name, device="cpu")[0]
+        return cache[name]
+
+    return get
+
+
+def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(100, 40000, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def step_by_step(model, ids, cache, first: int = 1) -> torch.Tensor:
+    """Feed ``ids[:, :first]`` as one chunk, then one token at a time, through ``cache``."""
+    logits = [model(ids[:, :first], past_key_values=cache, use_cache=True).logits]
+    for i in range(first, ids.shape[1]):
+        logits.append(model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_and_whole_sequence_budgets_reproduce_the_unpatched_model(models, family):
+    model = models(family)
+    ids = tokens(2, 24)
+    with torch.no_grad():
+        plain = model(ids).logits
+        for name in ALL:
+            for budget in (1.0, 24, 100):
+                with patch(model, make_policy(name, budget=budget)):
+                    patched = model(ids).logits
+                assert (patched - plain).abs().max() <= 1e-5, (name, budget)
+        assert torch.equal(model(ids).logits, plain), "the model changed after patch() exited"
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-opt"])
+@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_simulate_equals_token_by_token_eviction_cache(models, family, name, kernels):
+    """Reference: EvictionCache fed one token at a time from empty (a cache that really holds C entries);
+    implementation: patch(simulate), one forward over the whole sequence. 64 tokens at budget 0.2: C = 13,
+    51 evictions per KV head and layer."""
+    model = models(family)
+    ids = tokens(2, 64, seed=1)
+    policy = make_policy(name, budget=0.2)
+    with torch.no_grad(), patch(model, policy, kernels=kernels):
+        simulated = model(ids).logits
+    cache = EvictionCache(model, policy, length=64, kernels=kernels)
+    stepped = step_by_step(model, ids, cache)
+    assert (simulated - stepped).abs().max() <= 1e-4
+    assert all(layer.keys.shape[2] == 13 for layer in cache.layers)
+    assert (simulated - model(ids).logits).abs().max() > 1e-2, "eviction changed nothing: the test proves nothing"
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-opt"])
+@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova"])
+def test_prefill_protocol_equals_prefill_compress_then_decode(models, family, name):
+    """Reference: EvictionCache(protocol="prefill") fed the 40-token context as one chunk, then one token at a
+    time; implementation: patch(prefill), one forward with the context length set. Budget 0.25 of the context:
+    C = 10, so the continuation's 24 tokens each evict one."""
+    model = models(family)
+    ids = tokens(1, 64, seed=2)
+    policy = make_policy(name, budget=0.25)
+    with torch.no_grad(), patch(model, policy, protocol="prefill") as session:
+        session.context_lengths = [40]
+        one_pass = model(ids).logits
+    cache = EvictionCache(model, policy, protocol="prefill")
+    stepped = step_by_step(model, ids, cache, first=40)
+    assert (one_pass - stepped).abs().max() <= 1e-4
+    with torch.no_grad():
+        torch.testing.assert_close(one_pass[:, :40], model(ids[:, :40]).logits, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_prefill_compression_keeps_protected_and_top_column_sums(models):
+    """Independent path: the unpatched model's own attention weights (eager, output_attentions) give the column
+    sums; the EvictionCache must hold exactly the recent window plus the top heavy hitters by those sums."""
+    model = models("tiny-llama")
+    ids = tokens(1, 30, seed=3)
+    policy = make_policy("h2o", budget=0.4)  # C = 12: 6 recent + 6 heavy
+    cache = EvictionCache(model, policy, protocol="prefill")
+    model(ids, past_key_values=cache, use_cache=True)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    attentions = model(ids, output_attentions=True).attentions
+    model.set_attn_implementation(previous)
+    for layer, weights in enumerate(attentions):
+        column_sums = weights[0].view(2, 2, 30, 30).sum(dim=(1, 2))  # [KV heads, keys]: group and rows summed
+        for head in range(2):
+            heavy = column_sums[head, :24].topk(6).indices.tolist()
+            expected = sorted(heavy + list(range(24, 30)))
+            held = cache.layers[layer].position[0, head][cache.layers[layer].held[0, head]]
+            assert sorted(held.tolist()) == expected
+
+
+@pytest.mark.parametrize("name", EVICTING)
+def test_cache_never_exceeds_capacity_and_keeps_protected_tokens(models, name):
+    model = models("tiny-llama")
+    policy = make_policy(name, budget=10, **({"sinks": 3} if name == "streaming" else {}))
+    plan = policy.plan(48)
+    cache = EvictionCache(model, policy)
+    ids = tokens(2, 48, seed=4)
+    with torch.no_grad():
+        for step in range(48):
+            model(ids[:, step : step + 1], past_key_values=cache, use_cache=True)
+            for layer in cache.layers:
+                held = layer.held.sum(-1)
+                assert (held == min(step + 1, plan.capacity)).all()
+                assert layer.keys.shape[2] <= plan.capacity
+                positions = [set(layer.position[b, h][layer.held[b, h]].tolist()) for b in range(2) for h in range(2)]
+                protected = set(range(max(0, step + 1 - plan.recent), step + 1)) | set(range(min(plan.sinks, step)))
+                assert all(protected <= p for p in positions)
+    assert cache.kv_bytes() == 2 * 2 * 2 * 10 * 16 * 4 * 2  # layers * batch * KV heads * C * head dim * fp32 * (K, V)
+
+
+@pytest.mark.parametrize(
+    ("name", "protocol"),
+    [(name, protocol) for name in EVICTING for protocol in ("simulate", "prefill")] + [("h2o_reference", "simulate")],
+)
+def test_right_padded_batch_equals_each_sequence_alone(models, name, protocol):
+    model = models("tiny-llama")
+    lengths, contexts = [40, 27, 33], [30, 20, 9]
+    ids = tokens(3, 40, seed=5)
+    mask = torch.arange(40).expand(3, 40) < torch.tensor(lengths).unsqueeze(1)
+    policy = make_policy(name, budget=0.3)
+    with torch.no_grad(), patch(model, policy, protocol=protocol) as session:
+        session.context_lengths = contexts
+        batched = model(ids, attention_mask=mask.long()).logits
+        for i, n in enumerate(lengths):
+            session.context_lengths = [contexts[i]]
+            alone = model(ids[i : i + 1, :n]).logits
+            assert (batched[i, :n] - alone[0]).abs().max() <= 1e-4, i
+
+
+@torch.no_grad()
+def test_heavy_ratio_extremes_are_local_and_heavy(models):
+    model = models("tiny-opt")
+    ids = tokens(2, 40, seed=6)
+    results = {}
+    for key, name, params in [
+        ("h2o0", "h2o", {"heavy_ratio": 0.0}),
+        ("local", "local", {}),
+        ("h2o1", "h2o", {"heavy_ratio": 1.0}),
+        ("heavy", "heavy", {}),
+    ]:
+        with patch(model, make_policy(name, budget=0.25, **params)):
+            results[key] = model(ids).logits
+    torch.testing.assert_close(results["h2o0"], results["local"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(results["h2o1"], results["heavy"], rtol=0, atol=1e-6)
+    assert (results["local"] - results["heavy"]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_tiny_sequences_and_tiny_budgets_run(models):
+    model = models("tiny-llama")
+    for length in (1, 2, 3):
+        ids = tokens(1, length)
+        with patch(model, make_policy("h2o", budget=0.05)) as session:
+            out = model(ids).logits
+        assert torch.isfinite(out).all()
+        assert session.capacities[-1] == (length, 1)
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("bloom", vocab_size=100, hidden_size=32, n_layer=1, n_head=2)
+    bloom = AutoModelForCausalLM.from_config(config)
+    with (
+        pytest.raises(ConfigError, match=r"model type 'bloom' cannot be patched.*supported are llama, mistral"),
+        patch(bloom, make_policy("h2o")),
+    ):
+        pass
+    with pytest.raises(ConfigError, match="cannot be patched"):
+        EvictionCache(bloom, make_policy("h2o", budget=8))
+
+
+def test_a_layer_that_bypasses_the_backend_fails_the_forward(models, monkeypatch):
+    model = models("tiny-llama")
+    attention = model.model.layers[1].self_attn
+    plain_forward = type(attention).forward
+
+    def bypass(self, *args, **kwargs):  # what a model with hard-coded attention does
+        previous = self.config._attn_implementation
+        self.config._attn_implementation = "sdpa"
+        try:
+            return plain_forward(self, *args, **kwargs)
+        finally:
+            self.config._attn_implementation = previous
+
+    monkeypatch.setattr(attention, "forward", bypass.__get__(attention))
+    with (
+        pytest.raises(RuntimeError, match=r"layers \[1\] did not run through the h2o_eval attention backend"),
+        torch.no_grad(),
+        patch(model, make_policy("h2o")),
+    ):
+        model(tokens(1, 12))
+
+
+def test_h2o_reference_is_simulate_only(models):
+    with (
+        pytest.raises(ConfigError, match="only in the simulate protocol"),
+        patch(models("tiny-llama"), make_policy("h2o_reference"), protocol="prefill"),
+    ):
+        pass
+    with pytest.raises(ConfigError, match="exists only as a simulation"):
+        EvictionCache(models("tiny-llama"), make_policy("h2o_reference"))
+
+
+def test_fraction_budget_without_a_length_is_refused_token_by_token(models):
+    model = models("tiny-llama")
+    cache = EvictionCache(model, make_policy("h2o", budget=0.2))
+    with pytest.raises(ConfigError, match="a fraction budget needs a length"):
+        model(tokens(1, 1), past_key_values=cache, use_cache=True)
