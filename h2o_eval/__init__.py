@@ -1,8 +1,23 @@
-"""h2o_eval: measure what KV-cache eviction costs in accuracy."""
+"""h2o_eval: measure what KV-cache eviction costs in accuracy.
 
-from h2o_eval.backend import EvictionCache, patch
-from h2o_eval.errors import ConfigError
-from h2o_eval.models import load_model
-from h2o_eval.policies import make_policy
+The API is imported on first use, so that ``python -m h2o_eval`` can answer a skipped run without loading
+transformers.
+"""
 
-__all__ = ["ConfigError", "EvictionCache", "load_model", "make_policy", "patch"]
+from importlib import import_module
+from typing import Any
+
+_API = {
+    "ConfigError": "h2o_eval.errors",
+    "EvictionCache": "h2o_eval.backend",
+    "patch": "h2o_eval.backend",
+    "load_model": "h2o_eval.models",
+    "make_policy": "h2o_eval.policies",
+}
+__all__ = list(_API)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'h2o_eval' has no attribute {name!r}")
+    return getattr(import_module(_API[name]), name)

@@ -20,12 +20,11 @@ from transformers.masking_utils import sdpa_mask
 
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, random_scores
-from h2o_eval.policies import Full, H2OReference, Policy, ScoreRule
+from h2o_eval.policies import KERNELS, Full, H2OReference, Policy, ScoreRule, check_protocol
 
 BACKEND = "h2o_eval"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt", "gpt_neox", "gpt2")
-PROTOCOLS = ("simulate", "prefill")
-KERNELS = {"auto": attend_chunk, "torch": attend_chunk_reference}
+KERNEL_FUNCTIONS = dict(zip(KERNELS, (attend_chunk, attend_chunk_reference), strict=True))
 
 _last_update: EvictionLayer | None = None
 
@@ -99,7 +98,7 @@ class Session:
     """Per-``patch`` state: the policy, the protocol, per-call context lengths, and capacity statistics."""
 
     def __init__(self, model: torch.nn.Module, policy: Policy, protocol: str, kernels: str) -> None:
-        self.policy, self.protocol, self.kernel = policy, protocol, KERNELS[kernels]
+        self.policy, self.protocol, self.kernel = policy, protocol, KERNEL_FUNCTIONS[kernels]
         self.num_layers = model.config.num_hidden_layers
         self.context_lengths: list[int] | None = None
         self.calls: set[int] = set()
@@ -151,6 +150,19 @@ class Session:
         if layer_idx == 0:
             self.capacities.extend(zip(lengths, capacities, strict=True))
 
+    def capacity_stats(self) -> dict[str, float | int]:
+        """Realised capacities over every scored sequence: C, the length it applied to, and the kept share."""
+        kept = [min(c, n) for n, c in self.capacities]
+        return {
+            "sequences": len(self.capacities),
+            "length_mean": sum(n for n, _ in self.capacities) / max(len(self.capacities), 1),
+            "capacity_mean": sum(kept) / max(len(kept), 1),
+            "capacity_min": min(kept, default=0),
+            "capacity_max": max(kept, default=0),
+            "kept_fraction_mean": sum(k / max(n, 1) for k, (n, _) in zip(kept, self.capacities, strict=True))
+            / max(len(kept), 1),
+        }
+
     def check_forward(self) -> None:
         missing = sorted(set(range(self.num_layers)) - self.calls)
         self.calls = set()
@@ -173,12 +185,7 @@ def patch(
     On exit the model is exactly as before.
     """
     check_supported(model)
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"protocol={protocol!r}: use one of {', '.join(PROTOCOLS)}")
-    if policy.simulate_only and protocol != "simulate":
-        raise ConfigError(f"policy {policy.name!r} exists only in the simulate protocol: use protocol=simulate")
-    if kernels not in KERNELS:
-        raise ConfigError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
+    check_protocol(policy, protocol, kernels)
     session = Session(model, policy, protocol, kernels)
     modules = _attention_modules(model)
     previous = model.config._attn_implementation
@@ -368,13 +375,10 @@ class EvictionCache(Cache):
         kernels: str = "auto",
     ) -> None:
         check_supported(model)
-        if protocol not in PROTOCOLS:
-            raise ConfigError(f"protocol={protocol!r}: use one of {', '.join(PROTOCOLS)}")
         if policy.simulate_only:
             raise ConfigError(f"policy {policy.name!r} exists only as a simulation: use patch(..., 'simulate')")
-        if kernels not in KERNELS:
-            raise ConfigError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
-        self.policy, self.protocol, self.length, self.kernel = policy, protocol, length, KERNELS[kernels]
+        check_protocol(policy, protocol, kernels)
+        self.policy, self.protocol, self.length, self.kernel = policy, protocol, length, KERNEL_FUNCTIONS[kernels]
         self.peak_entries = 0
         self.capacity = self.recent = self.sinks = None
         layers = model.config.num_hidden_layers

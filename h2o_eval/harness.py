@@ -9,11 +9,14 @@ Prompts, choices and metrics stay lm-eval's. Locally only the evaluated split ex
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from h2o_eval.errors import ConfigError
+
+if TYPE_CHECKING:
+    from h2o_eval.backend import Session
 
 
 def lm_eval_tasks_dir() -> Path:
@@ -64,6 +67,7 @@ def evaluate(
     model: Any,
     tokenizer: Any,
     task: dict[str, Any],
+    session: Session,
     *,
     data_dir: str | Path | None,
     work_dir: Path,
@@ -72,16 +76,18 @@ def evaluate(
     batch_size: int,
     seed: int,
 ) -> dict[str, Any]:
-    """Score ``model`` on ``task`` with lm-eval; returns lm-eval's results dict (with ``n-samples``)."""
+    """Score ``model`` (patched: ``session`` is its backend session) on ``task`` with lm-eval.
+
+    Returns lm-eval's results dict (with ``n-samples``).
+    """
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     task_dir = work_dir / "lm_eval_tasks"
     task_dir.mkdir(parents=True, exist_ok=True)
     (task_dir / f"{task['name']}.yaml").write_text(yaml.safe_dump(task_yaml(task, data_dir), sort_keys=False))
     manager = TaskManager(include_path=str(task_dir), include_defaults=False)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    lm = eviction_lm(model, tokenizer, session, batch_size)
     return simple_evaluate(
         model=lm,
         tasks=[task["name"]],
@@ -94,6 +100,49 @@ def evaluate(
         torch_random_seed=seed,
         fewshot_random_seed=seed,
     )
+
+
+def eviction_lm(model: Any, tokenizer: Any, session: Session, batch_size: int) -> Any:
+    """lm-eval's HFLM, telling the backend each padded row's real length and context length.
+
+    HFLM right-pads a batch and calls the model without a mask. Per-sequence budgets need each row's length
+    (simulate: the request, context + continuation minus its last token) and, for ``prefill``, where the
+    context ends; both are looked up from the requests HFLM is about to score.
+    """
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    class EvictionLM(HFLM):
+        def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
+            self.context_lengths: dict[tuple[int, ...], int] = {}
+            for _, context, continuation in requests:
+                fed = (context + continuation)[-(self.max_length + 1) :][:-1]
+                self.context_lengths[tuple(fed)] = max(1, len(fed) - len(continuation) + 1)
+            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
+
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            lengths, contexts = zip(*(self._lookup(row) for row in inps.tolist()), strict=True)
+            mask = torch.arange(inps.shape[1], device=inps.device) < torch.tensor(lengths, device=inps.device)[:, None]
+            session.context_lengths = list(contexts)
+            with (
+                torch.no_grad(),
+                torch.autocast(
+                    device_type=self.device.type,
+                    dtype=self.mixed_precision_dtype,
+                    enabled=self.mixed_precision_dtype is not None,
+                ),
+            ):
+                return self.model(inps, attention_mask=mask.long()).logits
+
+        def _lookup(self, row: list[int]) -> tuple[int, int]:
+            for length in range(len(row), 0, -1):
+                if (context := self.context_lengths.get(tuple(row[:length]))) is not None:
+                    return length, context
+                if row[length - 1] != 0:  # lm-eval pads with 0: a real token ends the search
+                    break
+            raise RuntimeError("a batch row matches no request being scored: lm-eval's batching changed")
+
+    return EvictionLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
 
 
 def metrics(results: dict[str, Any], task_name: str) -> dict[str, float]:

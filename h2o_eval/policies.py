@@ -19,6 +19,9 @@ from typing import ClassVar
 
 from h2o_eval.errors import ConfigError
 
+PROTOCOLS = ("simulate", "prefill")
+KERNELS = ("auto", "torch")  # implementations of the mechanism: compiled scan, or the plain reference loop
+
 
 class ScoreRule(str, Enum):
     ACCUMULATE = "accumulate"  # sum of the attention each token received so far (H2O)
@@ -188,3 +191,13 @@ def make_policy(name: str, budget: float | int = 0.2, **params: float | int) -> 
     if cls is Full:
         return Full()
     return cls(budget=budget, **params)
+
+
+def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:
+    """Refuse a protocol or kernel choice that does not exist, or that this policy cannot run."""
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol={protocol!r}: use one of {', '.join(PROTOCOLS)}")
+    if policy.simulate_only and protocol != "simulate":
+        raise ConfigError(f"policy {policy.name!r} exists only in the simulate protocol: use protocol=simulate")
+    if kernels not in KERNELS:
+        raise ConfigError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")

@@ -15,7 +15,7 @@ from typing import Any
 SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "h2o_eval")
 # Settings that change where a run is written or how it is reported, never its numbers.
-NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "data_dir")
+NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "data_dir", "kernels")
 
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:

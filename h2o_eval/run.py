@@ -11,8 +11,8 @@ from typing import Any
 
 from h2o_eval import harness, results, tracking
 from h2o_eval.errors import ConfigError
+from h2o_eval.policies import Policy, check_protocol, make_policy
 
-PROTOCOLS = ("simulate", "prefill")
 DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill"}
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -26,9 +26,7 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
 
     The protocol defaults by task kind; the ``full`` policy keeps the whole cache, so its budget is 1.0.
     """
-    budget = config["budget"]
-    if not (_is_int(budget) and budget >= 1) and not (isinstance(budget, float) and 0 < budget <= 1):
-        raise ConfigError(f"budget={budget!r}: use a fraction in (0, 1] such as 0.2, or a token count >= 1")
+    policy = policy_of(config)
     limit = config["limit"]
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
         raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
@@ -39,15 +37,18 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if not _is_int(config["seed"]):
         raise ConfigError(f"seed={config['seed']!r}: use an integer")
     protocol = config["protocol"] or DEFAULT_PROTOCOL[config["task"]["kind"]]
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"protocol={protocol!r}: use one of {', '.join(PROTOCOLS)}")
+    check_protocol(policy, protocol, config["kernels"])
     if config["wandb"]["mode"] not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
     if config["data_dir"] is not None:
         harness.local_data_file(config["task"], config["data_dir"])
-    if config["policy"]["name"] == "full":
-        budget = 1.0
-    return {**config, "protocol": protocol, "budget": budget}
+    return {**config, "protocol": protocol, "budget": policy.budget}
+
+
+def policy_of(config: dict[str, Any]) -> Policy:
+    """The policy a config names, with its budget and the policy group's own parameters."""
+    params = {key: value for key, value in config["policy"].items() if key != "name"}
+    return make_policy(config["policy"]["name"], budget=config["budget"], **params)
 
 
 def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
@@ -64,22 +65,26 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
         print(summary_line(record))
         return record
 
+    from h2o_eval.backend import patch
     from h2o_eval.models import load_model
 
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
     start = time.perf_counter()
     model, tokenizer = load_model(config["model"], device=config["device"], dtype=config["dtype"])
-    output = harness.evaluate(
-        model,
-        tokenizer,
-        config["task"],
-        data_dir=config["data_dir"],
-        work_dir=work_dir,
-        num_fewshot=config["num_fewshot"],
-        limit=config["limit"],
-        batch_size=config["batch_size"],
-        seed=config["seed"],
-    )
+    policy = policy_of(config)
+    with patch(model, policy, protocol=config["protocol"], kernels=config["kernels"]) as session:
+        output = harness.evaluate(
+            model,
+            tokenizer,
+            config["task"],
+            session,
+            data_dir=config["data_dir"],
+            work_dir=work_dir,
+            num_fewshot=config["num_fewshot"],
+            limit=config["limit"],
+            batch_size=config["batch_size"],
+            seed=config["seed"],
+        )
     task_name = config["task"]["name"]
     record = {
         "schema_version": results.SCHEMA_VERSION,
@@ -87,13 +92,14 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
         "task": task_name,
         "policy": config["policy"]["name"],
         "budget": config["budget"],
-        "heavy_ratio": config["policy"].get("heavy_ratio"),
+        "heavy_ratio": getattr(policy, "heavy_ratio", None),
         "protocol": config["protocol"],
         "num_fewshot": config["num_fewshot"],
         "limit": config["limit"],
         "seed": config["seed"],
         "metrics": harness.metrics(output, task_name),
         "n_samples": output["n-samples"][task_name]["effective"],
+        "capacity": session.capacity_stats(),
         "wall_seconds": round(time.perf_counter() - start, 3),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": results.versions(),
@@ -115,8 +121,9 @@ def summary_line(record: dict[str, Any]) -> str:
     scores = "  ".join(
         f"{name}={value:.4f}" for name, value in record["metrics"].items() if not name.endswith("_stderr")
     )
+    kept = record["capacity"]["kept_fraction_mean"]
     return (
-        f"{record['model']} | {record['task']} | {record['policy']} budget={record['budget']} "
+        f"{record['model']} | {record['task']} | {record['policy']} budget={record['budget']} (kept {kept:.0%}) "
         f"{record['protocol']} {record['num_fewshot']}-shot | n={record['n_samples']} | {scores} "
         f"| {record['wall_seconds']:.1f} s"
     )

@@ -91,3 +91,34 @@ def _load_local_task(tmp_path, data_dir, name):
     task = make_config(data_dir, tmp_path, task=name)["task"]
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(harness.task_yaml(task, data_dir)))
     return TaskManager(include_path=str(tmp_path), include_defaults=False).load([name])["tasks"][name]
+
+
+@pytest.mark.parametrize("protocol", ["simulate", "prefill"])
+def test_padded_lm_eval_batches_score_like_each_request_alone(protocol):
+    """Reference: each request scored alone (no padding) with the context length set by hand; implementation:
+    lm-eval's HFLM batching through eviction_lm, which must recover every row's length and context length."""
+    import torch
+
+    from h2o_eval import make_policy, patch
+
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    texts = [
+        ("The cat sat on the mat because", " it was warm."),
+        ("Tea", " is hot and sweet today"),
+        ("A much longer context about the history of caches and their eviction", " policies."),
+        ("Short", " one"),
+    ]
+    requests = [((c, x), tokenizer(c).input_ids, tokenizer(x).input_ids) for c, x in texts]
+    policy = make_policy("h2o", budget=0.3)
+    with patch(model, policy, protocol=protocol) as session:
+        lm = harness.eviction_lm(model, tokenizer, session, batch_size=4)
+        batched = [ll for ll, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
+        for (_, context, continuation), got in zip(requests, batched, strict=True):
+            ids = torch.tensor([context + continuation[:-1]])
+            session.context_lengths = [len(context)]
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(ids).logits[0, len(context) - 1 :], dim=-1)
+            alone = logprobs.gather(-1, torch.tensor(continuation).unsqueeze(-1)).sum().item()
+            assert got == pytest.approx(alone, abs=1e-4)
+    lengths = {n for n, _ in session.capacities}
+    assert len(lengths) > 1, "requests of one length prove nothing about padding"

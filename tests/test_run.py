@@ -144,3 +144,29 @@ def test_a_local_data_run_attempts_no_network(tmp_path, data_dir, monkeypatch):
     record = run(config, tmp_path / "work")
     assert record["n_samples"] == 4
     assert attempts == []
+
+
+@pytest.mark.parametrize("protocol", ["simulate", "prefill"])
+def test_record_carries_the_policy_protocol_and_realised_capacities(tmp_path, data_dir, protocol):
+    config = make_config(
+        data_dir,
+        tmp_path / "results",
+        model="tiny-qwen2",
+        task="copa",
+        policy="h2o",
+        budget=0.25,
+        protocol=protocol,
+        limit=6,
+        **{"policy.heavy_ratio": 0.25},
+    )
+    record = run(config, tmp_path / "work")
+    assert (record["policy"], record["budget"], record["heavy_ratio"], record["protocol"]) == (
+        "h2o",
+        0.25,
+        0.25,
+        protocol,
+    )
+    capacity = record["capacity"]
+    assert capacity["sequences"] == 12  # 6 documents x 2 choices, each scored once
+    assert 1 <= capacity["capacity_min"] <= capacity["capacity_mean"] <= capacity["capacity_max"]
+    assert 0.25 <= capacity["kept_fraction_mean"] < 0.5  # ceil(0.25 * length) of short COPA requests
