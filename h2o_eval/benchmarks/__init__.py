@@ -1,0 +1,1 @@
+"""Benchmark scripts: ``python -m h2o_eval.benchmarks.<name> --help``."""

@@ -1,0 +1,92 @@
+"""Wall time of simulate-mode eviction relative to the full cache, on SmolLM2 with local data.
+
+    python -m h2o_eval.benchmarks.eviction_overhead --data-dir ../shared/data
+
+For each workload (COPA 0-shot, all 100 documents; PIQA 5-shot, first 100) the same lm-eval requests are
+scored with ``full`` and with ``h2o`` at budget 0.2 (simulate protocol), alternating, ``--repeats`` times; the
+best time of each is kept. Prints one line per workload: both times, their ratio, and the accuracies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from h2o_eval import harness
+from h2o_eval.backend import patch
+from h2o_eval.models import load_model, registry
+from h2o_eval.policies import make_policy
+
+WORKLOADS = [("copa", 0, None), ("piqa", 5, 100)]
+
+
+def time_policy(model, tokenizer, policy, task, shots, limit, data_dir, batch_size, kernels) -> tuple[float, float]:
+    with patch(model, policy, protocol="simulate", kernels=kernels) as session:
+        start = time.perf_counter()
+        output = harness.evaluate(
+            model,
+            tokenizer,
+            registry_task(task),
+            session,
+            data_dir=data_dir,
+            work_dir=Path(tempfile.mkdtemp()),
+            num_fewshot=shots,
+            limit=limit,
+            batch_size=batch_size,
+            seed=1234,
+        )
+        elapsed = time.perf_counter() - start
+    return elapsed, harness.metrics(output, task)["acc"]
+
+
+def registry_task(name: str) -> dict:
+    from importlib import resources
+
+    import yaml
+
+    return yaml.safe_load((resources.files("h2o_eval.conf") / "task" / f"{name}.yaml").read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data-dir", required=True, type=Path)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(registry()))
+    parser.add_argument("--budget", default=0.2, type=float)
+    parser.add_argument("--batch-size", default=8, type=int)
+    parser.add_argument("--repeats", default=2, type=int)
+    parser.add_argument("--kernels", default="auto", choices=["auto", "torch"])
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(args.model, device="cpu")
+    print(f"{args.model} on CPU, {torch.get_num_threads()} threads, batch {args.batch_size}, kernels={args.kernels}")
+    for task, shots, limit in WORKLOADS:
+        best = {"full": float("inf"), "h2o": float("inf")}
+        accuracy = {}
+        for _ in range(args.repeats):
+            for name in best:
+                policy = make_policy(name, budget=args.budget)
+                seconds, accuracy[name] = time_policy(
+                    model,
+                    tokenizer,
+                    policy,
+                    task,
+                    shots,
+                    limit,
+                    args.data_dir.resolve(),
+                    args.batch_size,
+                    args.kernels,
+                )
+                best[name] = min(best[name], seconds)
+        print(
+            f"{task} {shots}-shot limit={limit}: full {best['full']:.1f} s (acc {accuracy['full']:.3f}) | "
+            f"h2o@{args.budget} {best['h2o']:.1f} s (acc {accuracy['h2o']:.3f}) | "
+            f"ratio {best['h2o'] / best['full']:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
