@@ -19,7 +19,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, random_scores
+from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, attend_held, claim_slot, random_scores
 from h2o_eval.policies import KERNELS, Full, H2OReference, Policy, ScoreRule, check_protocol
 
 BACKEND = "h2o_eval"
@@ -272,6 +272,7 @@ class EvictionLayer(CacheLayerMixin):
         self.owner, self.layer_idx = owner, layer_idx
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.slot: torch.Tensor | None = None  # [B, Hkv] slot the single arriving token took (decode steps)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, kv_heads, _, _ = key_states.shape
@@ -291,11 +292,31 @@ class EvictionLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        _last_update = self
+        if key_states.shape[2] == 1 and self.seen > 0 and (slot := self._claim(key_states.shape[1])) is not None:
+            # One token per sequence into a warm cache: evict (or take a free slot) right here, in place.
+            index = slot.view(*slot.shape, 1, 1).expand(-1, -1, 1, key_states.shape[-1])
+            self.keys.scatter_(2, index, key_states)
+            self.values.scatter_(2, index, value_states)
+            self.slot, self.pending = slot, (self.keys, self.values)
+            return self.keys, self.values
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         self.pending = (keys, values)
-        _last_update = self
         return keys, values
+
+    def _claim(self, kv_heads: int) -> torch.Tensor | None:
+        owner = self.owner
+        now = self.real_seen
+        slot = claim_slot(self.held, self.position, self.scores, now, owner.capacity, owner.recent, owner.sinks)
+        if slot is None:
+            return None
+        at = slot.unsqueeze(-1)
+        new_position = now.view(-1, 1, 1).expand(-1, kv_heads, 1)
+        self.held.scatter_(-1, at, True)
+        self.position.scatter_(-1, at, new_position)
+        self.scores.scatter_(-1, at, _initial_scores(owner.policy, self.layer_idx, new_position))
+        return slot
 
     def attend(self, module, query, key, value, attention_mask, scaling) -> torch.Tensor:
         global _last_update
@@ -303,6 +324,17 @@ class EvictionLayer(CacheLayerMixin):
         owner = self.owner
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
         arriving = _key_validity(attention_mask, batch, n, key.device)
+        if self.slot is not None:
+            if not bool(arriving.all()):
+                raise RuntimeError(
+                    "a padding token after the prompt: EvictionCache takes padding only in the first chunk"
+                )
+            self.slot = None
+            output = attend_held(query, key, value, self.held, self.scores, owner.policy.rule, scaling)
+            self.seen += 1
+            self.real_seen = self.real_seen + 1
+            owner.peak_entries = max(owner.peak_entries, int(self.held.sum(-1).max()))
+            return output
         first = self.seen == 0
         if first:
             owner.plan(arriving)
@@ -348,7 +380,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.is_initialized = False
-        self.seen, self.pending = 0, None
+        self.seen, self.pending, self.slot = 0, None, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("EvictionCache does not support beam search")

@@ -247,3 +247,51 @@ def _scan(logits, held, arriving, position, scores, capacity, recent, sinks, pre
                     leave[b, h, slots[k]] = r + 1
                     count -= 1
                     slots[k] = slots[count]
+
+
+def claim_slot(
+    held: torch.Tensor,
+    position: torch.Tensor,
+    scores: torch.Tensor,
+    now: torch.Tensor,
+    capacity: torch.Tensor,
+    recent: torch.Tensor,
+    sinks: torch.Tensor,
+) -> torch.Tensor | None:
+    """Step 1 of one arriving token per sequence, in place of a chunk: the slot [B, Hkv] it will occupy.
+
+    A full cache gives up its victim (same rule as the scan); one below capacity takes a free slot. Returns
+    None when some cache is below capacity with no free slot left (the caller grows the buffer instead).
+    """
+    count = held.sum(-1)
+    full = count >= capacity.view(-1, 1)
+    free = ~held
+    if bool((~full & ~free.any(-1)).any()):
+        return None
+    protected = (position > (now - recent).view(-1, 1, 1)) | (position < sinks.view(-1, 1, 1))
+    candidate = held & ~protected
+    if bool((full & ~candidate.any(-1)).any()):
+        raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
+    victim = _lowest(scores, position, candidate)
+    return torch.where(full, victim, free.to(torch.int8).argmax(-1))
+
+
+def attend_held(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    held: torch.Tensor,
+    scores: torch.Tensor,
+    rule: ScoreRule,
+    scaling: float,
+) -> torch.Tensor:
+    """Steps 2-3 for one query per sequence [B, Hq, 1, D] over the held slots; updates ``scores`` in place."""
+    logits = _logits(query, keys, scaling).masked_fill(~held.view(held.shape[0], held.shape[1], 1, 1, -1), -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
+    attention = probs.sum(dim=(2, 3))
+    if rule is ScoreRule.ACCUMULATE:
+        scores += attention
+    elif rule is ScoreRule.CURRENT:
+        scores.copy_(torch.where(held, attention, scores))
+    output = torch.matmul(probs, values.float().unsqueeze(2))
+    return output.view(query.shape[0], query.shape[1], 1, -1).to(query.dtype)
