@@ -338,6 +338,12 @@ class EvictionLayer(CacheLayerMixin):
         first = self.seen == 0
         if first:
             owner.plan(arriving)
+        if isinstance(owner.policy, Full):  # nothing is ever evicted: keep every slot, attend like plain SDPA
+            self.keys, self.values = key, value
+            self.held = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
+            self.seen += n
+            owner.peak_entries = max(owner.peak_entries, int(self.held.sum(-1).max()))
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)[0].transpose(1, 2)
         new_position = (self.real_seen.unsqueeze(-1) + arriving.cumsum(-1) - 1).clamp(min=0)
         position = torch.cat([self.position, new_position.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
         scores = torch.cat([self.scores, _initial_scores(owner.policy, self.layer_idx, position)[..., -n:]], dim=-1)

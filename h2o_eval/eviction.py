@@ -11,7 +11,7 @@ For each (sequence, KV head), row r of the chunk (token t = ``position`` of slot
 2. the token enters the cache, and its queries attend to exactly the held tokens (softmax renormalised over them);
 3. scores take that attention, summed over the group's query heads: added (``accumulate``), or replacing the
    previous ones (``current``); ``random`` scores are fixed per position, ``none`` leaves recency to decide;
-4. at the last prefill row, the cache is compressed to C by the same rule (lowest scores out, protected kept).
+4. after the last (real) prefill row, the cache is compressed to C by the same rule (lowest scores out).
 
 Padding tokens (``arriving`` False) never enter. Simulate = empty state + the whole sequence; prefill = all
 context rows as prefill rows; decode = chunks of one token. :func:`attend_chunk_reference` states this as a
@@ -73,6 +73,14 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     return torch.matmul(grouped, key.float().transpose(-1, -2).unsqueeze(2)) * scaling
 
 
+def _compress_rows(chunk: Chunk, n: int) -> torch.Tensor:
+    """[B] the row after which each sequence's cache is compressed: its last real row among the prefill rows
+    (-1: none)."""
+    rows = torch.arange(1, n + 1, device=chunk.arriving.device)
+    eligible = chunk.arriving & (rows <= chunk.prefill.view(-1, 1))
+    return (eligible * rows).amax(-1) - 1
+
+
 def _lowest(scores: torch.Tensor, position: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
     """Index of the candidate with the lowest score, the smallest position among equal scores."""
     best = scores.masked_fill(~candidate, float("inf")).amin(-1, keepdim=True)
@@ -94,6 +102,7 @@ def attend_chunk_reference(
     position = chunk.position
     output = torch.zeros(batch, kv_heads, group, n, value.shape[-1], dtype=torch.float32, device=query.device)
     capacity, recent, sinks = (x.view(-1, 1, 1) for x in (chunk.capacity, chunk.recent, chunk.sinks))
+    compress_at = _compress_rows(chunk, n)
 
     def evict_one(where: torch.Tensor, now: torch.Tensor) -> None:
         protected = (position > now.unsqueeze(-1) - recent) | (position < sinks)
@@ -118,7 +127,7 @@ def attend_chunk_reference(
             scores += attention
         elif chunk.rule is ScoreRule.CURRENT:
             scores = torch.where(arrives.unsqueeze(-1), attention, scores)
-        compress = arrives & (row == chunk.prefill - 1).view(-1, 1)
+        compress = arrives & (row == compress_at).view(-1, 1)
         while bool((compress & (held.sum(-1) > capacity[..., 0])).any()):
             evict_one(compress & (held.sum(-1) > capacity[..., 0]), now)
     return output.view(batch, q_heads, n, -1).to(query.dtype), held, scores
@@ -127,9 +136,14 @@ def attend_chunk_reference(
 def attend_chunk(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`attend_chunk_reference`, with the row scan compiled (numba) on the CPU."""
+    """Same contract as :func:`attend_chunk_reference`, with the row scan compiled (numba) on the CPU.
+
+    A chunk that is all prefill from an empty cache (a prompt) takes :func:`_prefill_chunk` instead.
+    """
     batch, q_heads, n, _ = query.shape
     slots = key.shape[2]
+    if slots == n and bool((chunk.prefill >= n).all()):
+        return _prefill_chunk(query, key, value, chunk)
     logits = _logits(query, key, chunk.scaling)
     held = chunk.held.cpu().numpy().copy()
     scores = chunk.scores.detach().float().cpu().numpy().copy()
@@ -146,6 +160,7 @@ def attend_chunk(
         chunk.recent.cpu().numpy(),
         chunk.sinks.cpu().numpy(),
         chunk.prefill.cpu().numpy(),
+        _compress_rows(chunk, n).cpu().numpy(),
         _RULE_CODE[chunk.rule],
         enter,
         leave,
@@ -170,6 +185,49 @@ def attend_chunk(
     )
 
 
+def _prefill_chunk(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, block: int = 256
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole chunk of prefill rows from an empty cache: causal attention a block of rows at a time, the score
+    rule applied to its probabilities (column sums for ``accumulate``, the last row for ``current``; SDPA alone
+    when no score needs them), then compression to C: the lowest (score, position) unprotected tokens go."""
+    batch, _, n, _ = query.shape
+    device = query.device
+    arriving = chunk.arriving
+    rows = torch.arange(n, device=device)
+    visible = (rows.view(1, n, 1) >= rows.view(1, 1, n)) & arriving.view(batch, 1, n)
+    visible = visible | (~arriving.view(batch, n, 1) & (rows.view(1, n, 1) == rows.view(1, 1, n)))
+    scores = chunk.scores.clone().float()
+    if chunk.rule not in (ScoreRule.ACCUMULATE, ScoreRule.CURRENT):
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=visible.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
+        )
+    else:  # the probabilities are needed anyway: one pass gives the outputs and the scores
+        output = torch.empty_like(query)
+        attention = torch.zeros_like(scores)
+        last = (arriving.cumsum(-1) == arriving.sum(-1, keepdim=True)) & arriving  # each sequence's last row
+        weights = (arriving if chunk.rule is ScoreRule.ACCUMULATE else last).float()
+        for start in range(0, n, block):
+            stop = min(start + block, n)
+            logits = _logits(query[:, :, start:stop], key, chunk.scaling)
+            probs = torch.softmax(logits.masked_fill(~visible[:, None, None, start:stop], -torch.inf), dim=-1)
+            output[:, :, start:stop] = torch.matmul(probs, value.float().unsqueeze(2)).flatten(1, 2).to(query.dtype)
+            attention += torch.einsum("bhgrn,br->bhn", probs, weights[:, start:stop])
+        scores = scores + attention if chunk.rule is ScoreRule.ACCUMULATE else attention
+    held = arriving.unsqueeze(1).expand_as(scores).clone()
+    now = (arriving.sum(-1) - 1).view(-1, 1, 1)
+    protected = (chunk.position > now - chunk.recent.view(-1, 1, 1)) | (chunk.position < chunk.sinks.view(-1, 1, 1))
+    candidate = held & ~protected
+    excess = (held.sum(-1) - chunk.capacity.view(-1, 1)).clamp(min=0)
+    order = torch.argsort(chunk.position, dim=-1, stable=True)
+    order = order.gather(
+        -1, torch.argsort(scores.masked_fill(~candidate, torch.inf).gather(-1, order), dim=-1, stable=True)
+    )
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=device).expand_as(order))
+    held &= ~(candidate & (rank < excess.unsqueeze(-1)))
+    return output, held, scores
+
+
 @numba.njit(cache=True, inline="always")
 def _victim(slots, count, held_scores, positions, now, recent, sinks):
     best = -1
@@ -188,7 +246,9 @@ def _victim(slots, count, held_scores, positions, now, recent, sinks):
 
 
 @numba.njit(cache=True, parallel=True)
-def _scan(logits, held, arriving, position, scores, capacity, recent, sinks, prefill, rule, enter, leave, stuck):
+def _scan(
+    logits, held, arriving, position, scores, capacity, recent, sinks, prefill, compress_at, rule, enter, leave, stuck
+):
     batch, kv_heads, group, n, num_slots = logits.shape
     state = num_slots - n
     for bh in numba.prange(batch * kv_heads):
@@ -237,7 +297,7 @@ def _scan(logits, held, arriving, position, scores, capacity, recent, sinks, pre
                         scores[b, h, slots[k]] += np.float32(attention[k])
                     else:
                         scores[b, h, slots[k]] = np.float32(attention[k])
-            if r == prefill[b] - 1:
+            if r == compress_at[b]:
                 while count > capacity[b]:
                     k = _victim(slots, count, scores[b, h], position[b, h], now, recent[b], sinks[b])
                     if k < 0:

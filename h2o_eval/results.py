@@ -45,17 +45,31 @@ def record_path(results_dir: str | Path, config: dict[str, Any]) -> Path:
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
     """Write ``record`` as JSON so that readers see either nothing or the whole file (temp file + rename)."""
+    _atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str))
+
+
+def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
-            json.dump(record, handle, indent=2, sort_keys=True, default=str)
+            handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def outputs_path(record: Path) -> Path:
+    """The per-document outputs of a generation run, next to its record."""
+    return record.with_name(f"{record.stem}.outputs.jsonl")
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` as JSON Lines, atomically like :func:`write_record`."""
+    _atomic_write(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
 def read_record(path: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import harness, results, tracking
+from h2o_eval import generation, harness, results, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_protocol, make_policy
 
@@ -30,8 +30,12 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     limit = config["limit"]
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
         raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
-    if not _is_int(config["num_fewshot"]) or config["num_fewshot"] < 0:
-        raise ConfigError(f"num_fewshot={config['num_fewshot']!r}: use an integer >= 0")
+    generating = config["task"]["kind"] == "generation"
+    num_fewshot = config["num_fewshot"]
+    if num_fewshot is None:
+        num_fewshot = generation.template(config["task"])["num_fewshot"] if generating else 0
+    if not _is_int(num_fewshot) or num_fewshot < 0:
+        raise ConfigError(f"num_fewshot={num_fewshot!r}: use an integer >= 0")
     if not _is_int(config["batch_size"]) or config["batch_size"] < 1:
         raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
     if not _is_int(config["seed"]):
@@ -40,9 +44,15 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     check_protocol(policy, protocol, config["kernels"])
     if config["wandb"]["mode"] not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
+    if generating and policy.simulate_only:
+        raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
+    for key in ("max_new_tokens", "max_words"):
+        value = config["generation"][key]
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ConfigError(f"generation.{key}={value!r}: use an integer >= 1, or null for the task's default")
     if config["data_dir"] is not None:
-        harness.local_data_file(config["task"], config["data_dir"])
-    return {**config, "protocol": protocol, "budget": policy.budget}
+        (generation if generating else harness).local_data_file(config["task"], config["data_dir"])
+    return {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot}
 
 
 def policy_of(config: dict[str, Any]) -> Policy:
@@ -65,13 +75,68 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
         print(summary_line(record))
         return record
 
-    from h2o_eval.backend import patch
     from h2o_eval.models import load_model
 
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
     start = time.perf_counter()
     model, tokenizer = load_model(config["model"], device=config["device"], dtype=config["dtype"])
     policy = policy_of(config)
+    if config["task"]["kind"] == "generation":
+        fields, outputs = generation.summarise(
+            model,
+            tokenizer,
+            config["task"],
+            policy,
+            protocol=config["protocol"],
+            data_dir=config["data_dir"],
+            num_fewshot=config["num_fewshot"],
+            limit=config["limit"],
+            batch_size=config["batch_size"],
+            seed=config["seed"],
+            settings=config["generation"],
+            kernels=config["kernels"],
+        )
+        table = None
+    else:
+        fields, table = _loglikelihood(model, tokenizer, policy, config, work_dir)
+        outputs = None
+    record = {
+        "schema_version": results.SCHEMA_VERSION,
+        "model": config["model"]["name"],
+        "task": config["task"]["name"],
+        "policy": config["policy"]["name"],
+        "budget": config["budget"],
+        "heavy_ratio": getattr(policy, "heavy_ratio", None),
+        "protocol": config["protocol"],
+        "num_fewshot": config["num_fewshot"],
+        "limit": config["limit"],
+        "seed": config["seed"],
+        **fields,
+        "wall_seconds": round(time.perf_counter() - start, 3),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": results.versions(),
+        "git": results.git_commit(),
+        "config": config,
+    }
+    if outputs is not None:
+        record["outputs"] = results.outputs_path(path).name
+        results.write_jsonl(results.outputs_path(path), outputs)
+    results.write_record(path, record)
+
+    if table:
+        print(table)
+    print(summary_line(record))
+    print(f"record: {path}")
+    tracking.log_run(config["wandb"], record, path.stem, work_dir)
+    return record
+
+
+def _loglikelihood(model, tokenizer, policy: Policy, config: dict[str, Any], work_dir: Path) -> tuple[dict, str]:
+    """Score a log-likelihood task with lm-eval under ``patch``; returns (record fields, lm-eval's table)."""
+    from lm_eval.utils import make_table
+
+    from h2o_eval.backend import patch
+
     with patch(model, policy, protocol=config["protocol"], kernels=config["kernels"]) as session:
         output = harness.evaluate(
             model,
@@ -85,36 +150,13 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
             batch_size=config["batch_size"],
             seed=config["seed"],
         )
-    task_name = config["task"]["name"]
-    record = {
-        "schema_version": results.SCHEMA_VERSION,
-        "model": config["model"]["name"],
-        "task": task_name,
-        "policy": config["policy"]["name"],
-        "budget": config["budget"],
-        "heavy_ratio": getattr(policy, "heavy_ratio", None),
-        "protocol": config["protocol"],
-        "num_fewshot": config["num_fewshot"],
-        "limit": config["limit"],
-        "seed": config["seed"],
-        "metrics": harness.metrics(output, task_name),
-        "n_samples": output["n-samples"][task_name]["effective"],
+    name = config["task"]["name"]
+    fields = {
+        "metrics": harness.metrics(output, name),
+        "n_samples": output["n-samples"][name]["effective"],
         "capacity": session.capacity_stats(),
-        "wall_seconds": round(time.perf_counter() - start, 3),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "versions": results.versions(),
-        "git": results.git_commit(),
-        "config": config,
     }
-    results.write_record(path, record)
-
-    from lm_eval.utils import make_table
-
-    print(make_table(output))
-    print(summary_line(record))
-    print(f"record: {path}")
-    tracking.log_run(config["wandb"], record, path.stem, work_dir)
-    return record
+    return fields, make_table(output)
 
 
 def summary_line(record: dict[str, Any]) -> str:

@@ -61,7 +61,7 @@ GRID = list(
 
 
 @pytest.mark.parametrize(("batch", "heads", "n", "state", "rule"), GRID)
-@pytest.mark.parametrize(("prefill", "padding"), [(0, "none"), (0, "left"), (4, "right")])
+@pytest.mark.parametrize(("prefill", "padding"), [(0, "none"), (0, "left"), (4, "right"), (99, "left"), (99, "right")])
 def test_compiled_scan_equals_the_row_loop(batch, heads, n, state, rule, prefill, padding):
     """Reference: attend_chunk_reference (torch loop over rows); implementation: attend_chunk (numba scan)."""
     query, key, value, chunk = make_chunk(batch, *heads, n, state, rule, prefill, padding)

@@ -170,3 +170,12 @@ def test_record_carries_the_policy_protocol_and_realised_capacities(tmp_path, da
     assert capacity["sequences"] == 12  # 6 documents x 2 choices, each scored once
     assert 1 <= capacity["capacity_min"] <= capacity["capacity_mean"] <= capacity["capacity_max"]
     assert 0.25 <= capacity["kept_fraction_mean"] < 0.5  # ceil(0.25 * length) of short COPA requests
+
+
+def test_generation_settings_are_checked_before_the_model_loads(tmp_path, data_dir, no_model_loading):
+    with pytest.raises(ConfigError, match="policy=h2o_reference is a simulation of scoring only"):
+        run(make_config(data_dir, tmp_path, task="xsum", policy="h2o_reference"), tmp_path)
+    with pytest.raises(ConfigError, match=r"generation.max_new_tokens=0: use an integer >= 1"):
+        run(make_config(data_dir, tmp_path, task="xsum", **{"generation.max_new_tokens": 0}), tmp_path)
+    with pytest.raises(ConfigError, match=r"no data file .*nowhere/cnn_dailymail/test.jsonl"):
+        run(make_config(tmp_path / "nowhere", tmp_path, task="cnn_dailymail"), tmp_path)

@@ -1,0 +1,142 @@
+"""Summarisation under real eviction: prompts, decoding equivalences, batching, and the ROUGE in the record."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_config
+
+from h2o_eval import EvictionCache, load_model, make_policy
+from h2o_eval.generation import build_prompts, rouge, template
+from h2o_eval.run import run
+
+EVICTING = ["h2o", "local", "heavy", "streaming", "tova", "random"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    tokenizer.padding_side = "left"
+    return model, tokenizer
+
+
+def prompts_batch(tokenizer):
+    texts = [
+        "###\nArticle: The council met on Tuesday to discuss the new bridge over the river.\n\nSummarize",
+        "###\nArticle: Rain.\n\nSummarize",
+        "###\nArticle: A longer story about heavy hitters in caches.",
+    ]
+    return tokenizer(texts, return_tensors="pt", padding=True)
+
+
+@torch.no_grad()
+def test_full_policy_generates_exactly_what_plain_generate_does(tiny):
+    model, tokenizer = tiny
+    batch = prompts_batch(tokenizer)
+    plain = model.generate(**batch, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    for protocol in ("prefill", "simulate"):
+        cache = EvictionCache(model, make_policy("full"), protocol=protocol)
+        full = model.generate(
+            **batch, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=cache
+        )
+        assert torch.equal(full, plain)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", EVICTING)
+@pytest.mark.parametrize("protocol", ["prefill", "simulate"])
+def test_a_budget_covering_prompt_and_output_changes_nothing(tiny, name, protocol):
+    model, tokenizer = tiny
+    batch = prompts_batch(tokenizer)
+    plain = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    cache = EvictionCache(model, make_policy(name, budget=batch.input_ids.shape[1] + 16), protocol=protocol)
+    evicting = model.generate(
+        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=cache
+    )
+    assert torch.equal(evicting, plain)
+    small = EvictionCache(model, make_policy(name, budget=4), protocol=protocol)
+    squeezed = model.generate(
+        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=small
+    )
+    assert not torch.equal(squeezed, plain), "a 4-token cache changed nothing: the test proves nothing"
+    assert small.peak_entries == 4
+
+
+def test_prompts_show_shots_in_helm_style_and_never_the_document_itself(data_dir):
+    documents = [json.loads(line) for line in (data_dir / "xsum" / "test.jsonl").open()][:40]
+    form = template({"template": "xsum"})
+    prompts = build_prompts(documents, form, list(range(40)), num_fewshot=5, seed=1234, max_words=50)
+    for index, prompt in enumerate(prompts):
+        assert prompt.count("###\nArticle: ") == 6
+        assert prompt.count("Summarize the above article in 1 sentence.\n") == 6
+        query = " ".join(documents[index]["document"].split()[:50])
+        assert prompt.endswith(f"###\nArticle: {query}\n\nSummarize the above article in 1 sentence.\n")
+        assert prompt.count(query) == 1
+        assert " ".join(documents[index]["summary"].split()) not in prompt
+    shots = {p.split("###\nArticle: ")[1] for p in prompts}
+    assert len(shots) == 2, "the same first example everywhere, except where it is the document itself"
+    zero_shot = build_prompts(documents, form, [3], num_fewshot=0, seed=1234, max_words=50)[0]
+    assert zero_shot.count("###") == 1
+
+
+@pytest.mark.parametrize("protocol", ["prefill", "simulate"])
+def test_batched_generation_equals_one_document_at_a_time(tmp_path, data_dir, protocol):
+    outputs = {}
+    for batch_size in (1, 3):
+        config = make_config(
+            data_dir,
+            tmp_path / f"b{batch_size}",
+            model="tiny-gpt2",
+            task="cnn_dailymail",
+            policy="h2o",
+            budget=0.2,
+            protocol=protocol,
+            limit=3,
+            batch_size=batch_size,
+            num_fewshot=1,
+            **{"generation.max_new_tokens": 10, "generation.max_words": 60},
+        )
+        record = run(config, tmp_path / "work")
+        rows = (tmp_path / f"b{batch_size}" / record["outputs"]).read_text().splitlines()
+        outputs[batch_size] = [json.loads(row)["prediction"] for row in rows]
+    assert outputs[1] == outputs[3]
+    assert len(set(outputs[1])) > 1
+
+
+def test_record_rouge_equals_rouge_score_on_the_saved_outputs(tmp_path, data_dir):
+    """SmolLM2, 0-shot on short articles: real summaries, so ROUGE is not trivially zero."""
+    from rouge_score import rouge_scorer
+
+    config = make_config(
+        data_dir,
+        tmp_path / "results",
+        model="smollm2-135m",
+        task="xsum",
+        policy="h2o",
+        budget=0.5,
+        limit=4,
+        batch_size=2,
+        num_fewshot=0,
+        **{"generation.max_new_tokens": 16, "generation.max_words": 80},
+    )
+    record = run(config, tmp_path / "work")
+    rows = [json.loads(line) for line in (tmp_path / "results" / record["outputs"]).read_text().splitlines()]
+    assert len(rows) == record["n_samples"] == 4
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    for name in ("rouge1", "rouge2", "rougeL"):
+        recomputed = sum(scorer.score(r["reference"], r["prediction"])[name].fmeasure for r in rows) / len(rows)
+        assert record["metrics"][name] == pytest.approx(recomputed, abs=1e-12)
+    assert record["metrics"]["rouge1"] > 0
+    assert all("###" not in r["prediction"] for r in rows)
+    stats = record["generation"]
+    assert stats["generated_tokens_per_s"] > 0 and 0 < stats["generated_tokens_mean"] <= 16
+    assert 0 < stats["kv_peak_entries"] < stats["kv_full_entries"]
+    assert stats["kv_peak_bytes"] / stats["kv_full_bytes"] == stats["kv_peak_entries"] / stats["kv_full_entries"]
+
+
+def test_rouge_scores_match_hand_computed_values():
+    (score,) = rouge(["the cat sat on the mat"], ["the cat is on the mat"])
+    assert score["rouge1"] == pytest.approx(5 / 6)
+    assert score["rouge2"] == pytest.approx(3 / 5)
