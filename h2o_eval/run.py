@@ -41,11 +41,11 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if not _is_int(config["seed"]):
         raise ConfigError(f"seed={config['seed']!r}: use an integer")
     protocol = config["protocol"] or DEFAULT_PROTOCOL[config["task"]["kind"]]
+    if generating and policy.simulate_only:
+        raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
     check_protocol(policy, protocol, config["kernels"])
     if config["wandb"]["mode"] not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
-    if generating and policy.simulate_only:
-        raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
     for key in ("max_new_tokens", "max_words"):
         value = config["generation"][key]
         if value is not None and (not _is_int(value) or value < 1):
