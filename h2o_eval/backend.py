@@ -116,7 +116,7 @@ class Session:
             self._record(layer_idx, lengths, lengths)
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)[0].transpose(1, 2)
         if isinstance(self.policy, H2OReference):
-            self._record(layer_idx, lengths, [self.policy.capacity(n) for n in lengths])
+            self._record(layer_idx, lengths, [sum(self.policy.budgets(n)) + 1 for n in lengths])
             return h2o_reference_attention(self.policy, query, key, value, valid, scaling)
         pads_before = (valid.cumsum(-1) == 0).sum(-1)
         if self.protocol == "prefill":
@@ -143,7 +143,7 @@ class Session:
 
     def _context_lengths(self, batch: int) -> list[int]:
         if self.context_lengths is None or len(self.context_lengths) != batch:
-            raise ConfigError("protocol=prefill needs the context length of every sequence: call set_context_lengths")
+            raise ConfigError("protocol=prefill needs each sequence's context length: set session.context_lengths")
         return self.context_lengths
 
     def _record(self, layer_idx: int, lengths: list[int], capacities: list[int]) -> None:
@@ -214,24 +214,20 @@ def h2o_reference_attention(
     valid: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """The H2O authors' lm-eval simulation, per sequence and query head (see :func:`reference_keep_mask`).
-
-    With T a sequence's length, hb = int(budget * heavy_ratio * T), rb = int(budget * (1 - heavy_ratio) * T)
-    (an integer budget counts tokens instead of budget * T). Output [B, Hq, T, D].
-    """
+    """The H2O authors' lm-eval simulation, per sequence and query head (see :func:`reference_keep_mask`,
+    budgets from :meth:`H2OReference.budgets`). Output [B, Hq, T, D]."""
     group = query.shape[1] // key.shape[1]
     keys = key.repeat_interleave(group, dim=1)
     values = value.repeat_interleave(group, dim=1)
     output = torch.zeros_like(query)
     for b in range(query.shape[0]):
         n = int(valid[b].sum())
-        tokens = n * policy.budget if isinstance(policy.budget, float) else policy.budget
         start = int((valid[b].cumsum(-1) == 0).sum())
         rows = slice(start, start + n)
         logits = torch.matmul(query[b, :, rows], keys[b, :, rows].transpose(-1, -2)) * scaling
         causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
         logits = logits.masked_fill(~causal, torch.finfo(logits.dtype).min)
-        keep = reference_keep_mask(logits, int(tokens * policy.heavy_ratio), int(tokens * (1 - policy.heavy_ratio)))
+        keep = reference_keep_mask(logits, *policy.budgets(n))
         probs = torch.softmax(logits.masked_fill(~keep, torch.finfo(logits.dtype).min), dim=-1, dtype=torch.float32)
         output[b, :, rows] = torch.matmul(probs.to(values.dtype), values[b, :, rows])
     return output

@@ -171,6 +171,12 @@ class H2OReference(H2O):
     name: ClassVar[str] = "h2o_reference"
     simulate_only: ClassVar[bool] = True
 
+    def budgets(self, length: int) -> tuple[int, int]:
+        """(hb, rb) as the authors compute them: int(budget * heavy_ratio * T), int(budget * (1 - heavy_ratio) * T);
+        an integer budget counts tokens instead of budget * T."""
+        tokens = length * self.budget if isinstance(self.budget, float) else self.budget
+        return int(tokens * self.heavy_ratio), int(tokens * (1 - self.heavy_ratio))
+
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls for cls in (Full, H2O, Local, Heavy, Streaming, TOVA, Random, H2OReference)

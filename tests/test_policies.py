@@ -71,3 +71,17 @@ def test_unknown_parameter_names_the_valid_ones():
 def test_bad_budgets_are_refused(budget):
     with pytest.raises(ConfigError, match="budget="):
         make_policy("h2o", budget=budget)
+
+
+@pytest.mark.parametrize(
+    ("budget", "heavy_ratio", "length", "budgets"),
+    [
+        (0.2, 0.5, 100, (10, 10)),
+        (0.3, 0.5, 9, (1, 1)),
+        (0.2, 0.5, 7, (0, 0)),
+        (0.5, 0.25, 10, (1, 3)),
+        (8, 0.5, 99, (4, 4)),
+    ],
+)
+def test_h2o_reference_budgets_truncate_like_the_authors(budget, heavy_ratio, length, budgets):
+    assert make_policy("h2o_reference", budget=budget, heavy_ratio=heavy_ratio).budgets(length) == budgets
