@@ -21,6 +21,8 @@ NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "da
 def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The part of a resolved config that determines a run's numbers (plus whether data came from disk)."""
     ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY}
+    if config["task"].get("kind") != "generation":
+        ident.pop("generation", None)
     ident["data"] = "local" if config.get("data_dir") else "hub"
     return ident
 

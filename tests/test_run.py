@@ -64,7 +64,13 @@ def test_record_names_differ_for_every_setting_that_changes_the_numbers(tmp_path
         {**base, "data_dir": None},
     ]
     assert len({results.record_path(tmp_path, v) for v in variants}) == len(variants)
-    same = [{**base, "batch_size": 64}, {**base, "overwrite": True}, {**base, "wandb": {"mode": "online"}}]
+    same = [
+        {**base, "batch_size": 64},
+        {**base, "overwrite": True},
+        {**base, "wandb": {"mode": "online"}},
+        {**base, "kernels": "torch"},
+        {**base, "generation": {**base["generation"], "max_new_tokens": 7}},
+    ]
     assert {results.record_path(tmp_path, v) for v in same} == {results.record_path(tmp_path, base)}
 
 
@@ -179,3 +185,9 @@ def test_generation_settings_are_checked_before_the_model_loads(tmp_path, data_d
         run(make_config(data_dir, tmp_path, task="xsum", **{"generation.max_new_tokens": 0}), tmp_path)
     with pytest.raises(ConfigError, match=r"no data file .*nowhere/cnn_dailymail/test.jsonl"):
         run(make_config(tmp_path / "nowhere", tmp_path, task="cnn_dailymail"), tmp_path)
+
+
+def test_generation_settings_name_a_different_record_only_for_generation_tasks(tmp_path, data_dir):
+    xsum = make_config(data_dir, tmp_path, task="xsum")
+    longer = {**xsum, "generation": {**xsum["generation"], "max_new_tokens": 7}}
+    assert results.record_path(tmp_path, xsum) != results.record_path(tmp_path, longer)
