@@ -163,9 +163,9 @@ def summary_line(record: dict[str, Any]) -> str:
     scores = "  ".join(
         f"{name}={value:.4f}" for name, value in record["metrics"].items() if not name.endswith("_stderr")
     )
-    kept = record["capacity"]["kept_fraction_mean"]
+    kept = f" (kept {record['capacity']['kept_fraction_mean']:.0%})" if "capacity" in record else ""
     return (
-        f"{record['model']} | {record['task']} | {record['policy']} budget={record['budget']} (kept {kept:.0%}) "
+        f"{record['model']} | {record['task']} | {record['policy']} budget={record['budget']}{kept} "
         f"{record['protocol']} {record['num_fewshot']}-shot | n={record['n_samples']} | {scores} "
         f"| {record['wall_seconds']:.1f} s"
     )
