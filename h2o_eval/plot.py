@@ -1,0 +1,161 @@
+"""Accuracy (or ROUGE) against KV budget, from a results directory.
+
+    python -m h2o_eval.plot [results_dir] [--task copa ...] [--model smollm2-135m ...] [--out DIR]
+
+One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
+the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
+same numbers as ``summary.csv`` and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+from typing import Any
+
+from h2o_eval.results import load_records
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
+PRIMARY_METRIC = {"xsum": "rouge2", "cnn_dailymail": "rouge2"}
+COLUMNS = (
+    "task",
+    "model",
+    "protocol",
+    "policy",
+    "budget",
+    "metric",
+    "value",
+    "stderr",
+    "n_samples",
+    "num_fewshot",
+    "limit",
+)
+
+
+def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
+    """One row per run with a fraction budget: the task's primary metric (``acc``, or ``rouge2`` for
+    summarisation) unless ``metric`` names another, sorted by task, model, protocol, policy and budget. Of
+    records that agree on every column but the numbers, the newest is kept."""
+    newest: dict[tuple, dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: r["created"]):
+        name = metric or PRIMARY_METRIC.get(record["task"], "acc")
+        if name not in record["metrics"] or not isinstance(record["budget"], float):
+            continue
+        row = {
+            "task": record["task"],
+            "model": record["model"],
+            "protocol": record["protocol"],
+            "policy": record["policy"],
+            "budget": record["budget"],
+            "metric": name,
+            "value": record["metrics"][name],
+            "stderr": record["metrics"].get(f"{name}_stderr"),
+            "n_samples": record["n_samples"],
+            "num_fewshot": record["num_fewshot"],
+            "limit": record["limit"],
+        }
+        newest[tuple(row[c] for c in COLUMNS if c not in ("value", "stderr", "n_samples"))] = row
+    return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table (value ± stderr)."""
+    lines = [
+        "| task | model | protocol | policy | budget | metric | value | n | shots | limit |",
+        "|---|---|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        value = f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if r["stderr"] is not None else "")
+        lines.append(
+            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {r['budget']:.0%} | {r['metric']} "
+            f"| {value} | {r['n_samples']} | {r['num_fewshot']} | {r['limit']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[dict[str, Any]], task: str) -> Any:
+    """The accuracy-vs-budget figure of one task (a matplotlib Figure)."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["task"] == task]
+    models = sorted({r["model"] for r in rows})
+    protocols = sorted({r["protocol"] for r in rows if r["policy"] != "full"})
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, model in enumerate(models):
+        full = [r for r in rows if r["model"] == model and r["policy"] == "full"]
+        if full:
+            label = "full cache" if len(models) == 1 else f"{model}: full cache"
+            ax.axhline(full[0]["value"], color="black", linestyle=":" if index else "--", linewidth=1, label=label)
+        lines = sorted({(r["policy"], r["protocol"]) for r in rows if r["model"] == model and r["policy"] != "full"})
+        for number, (policy, protocol) in enumerate(lines):
+            points = [r for r in rows if (r["model"], r["policy"], r["protocol"]) == (model, policy, protocol)]
+            label = (
+                policy + (f" ({protocol})" if len(protocols) > 1 else "") + (f" – {model}" if len(models) > 1 else "")
+            )
+            ax.errorbar(
+                [100 * p["budget"] for p in points],
+                [p["value"] for p in points],
+                yerr=[p["stderr"] or 0.0 for p in points],
+                marker="o",
+                capsize=3,
+                color=colors[number % len(colors)],
+                linestyle="-" if index == 0 else "--",
+                label=label,
+            )
+    metric = rows[0]["metric"] if rows else ""
+    ax.set(xlabel="KV cache budget (% of the sequence)", ylabel=metric, title=task, xlim=(0, 100))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Figures (PNG, PDF) per task plus ``summary.csv`` and ``summary.md`` under ``out``; returns the files."""
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for task in sorted({r["task"] for r in rows}):
+        fig = figure(rows, task)
+        for suffix in ("png", "pdf"):
+            written.append(out / f"{task}.{suffix}")
+            fig.savefig(written[-1], dpi=150)
+        plt.close(fig)
+    with (out / "summary.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "summary.md").write_text(markdown(rows))
+    return [*written, out / "summary.csv", out / "summary.md"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results_dir", nargs="?", default="results", type=Path)
+    parser.add_argument("--task", nargs="*", help="only these tasks")
+    parser.add_argument("--model", nargs="*", help="only these models")
+    parser.add_argument("--metric", help="metric to plot (default: acc, rouge2 for summarisation)")
+    parser.add_argument("--out", type=Path, help="output folder (default: <results_dir>/plots)")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    if not args.results_dir.is_dir():
+        parser.error(f"no results directory {args.results_dir}: give the results_dir the runs wrote to")
+    rows = [
+        r
+        for r in table(load_records(args.results_dir), args.metric)
+        if (not args.task or r["task"] in args.task) and (not args.model or r["model"] in args.model)
+    ]
+    if not rows:
+        parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")
+    for path in write(rows, args.out or args.results_dir / "plots"):
+        print(path)
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

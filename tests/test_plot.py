@@ -1,0 +1,91 @@
+"""Plots, tables and the notebook read result records; they are checked on records written here."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+
+from h2o_eval import plot, results
+
+
+def fake_record(task, policy, budget, value, created="2026-11-22T00:00:00+00:00", protocol="simulate", **extra):
+    metric = "rouge2" if task == "xsum" else "acc"
+    return {
+        "task": task,
+        "model": "tiny-llama",
+        "policy": policy,
+        "budget": budget,
+        "protocol": protocol,
+        "num_fewshot": 0,
+        "limit": 10,
+        "n_samples": 10,
+        "created": created,
+        "metrics": {metric: value, f"{metric}_stderr": 0.05, **extra},
+    }
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    records = [fake_record("copa", "full", 1.0, 0.7)]
+    for budget, h2o, local in [(0.1, 0.6, 0.5), (0.2, 0.65, 0.55), (0.5, 0.7, 0.68)]:
+        records += [fake_record("copa", "h2o", budget, h2o), fake_record("copa", "local", budget, local)]
+    records += [fake_record("copa", "h2o", 0.2, 0.66, protocol="prefill"), fake_record("xsum", "h2o", 0.2, 0.04)]
+    records += [fake_record("copa", "h2o", 0.1, 0.1, created="2026-11-21T00:00:00+00:00")]  # older rerun: dropped
+    records += [fake_record("copa", "h2o", 16, 0.6)]  # integer budgets have no place on a % axis
+    for number, record in enumerate(records):
+        results.write_record(tmp_path / f"r{number}.json", record)
+    return tmp_path
+
+
+def test_table_keeps_the_newest_record_per_setting_and_the_primary_metric(results_dir):
+    rows = plot.table(results.load_records(results_dir))
+    copa_h2o = [
+        (r["budget"], r["value"])
+        for r in rows
+        if r["task"] == "copa" and r["policy"] == "h2o" and r["protocol"] == "simulate"
+    ]
+    assert copa_h2o == [(0.1, 0.6), (0.2, 0.65), (0.5, 0.7)]
+    assert [(r["metric"], r["value"]) for r in rows if r["task"] == "xsum"] == [("rouge2", 0.04)]
+    assert len(rows) == 9
+
+
+def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
+    out = tmp_path / "plots"
+    plot.main([str(results_dir), "--task", "copa", "--out", str(out)])
+    assert {p.name for p in out.iterdir()} == {"copa.png", "copa.pdf", "summary.csv", "summary.md"}
+    assert (out / "copa.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with (out / "summary.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {(r["policy"], r["protocol"], r["budget"], r["value"]) for r in rows} >= {
+        ("full", "simulate", "1.0", "0.7"),
+        ("local", "simulate", "0.1", "0.5"),
+        ("h2o", "prefill", "0.2", "0.66"),
+    }
+    markdown = (out / "summary.md").read_text()
+    assert "| copa | tiny-llama | simulate | h2o | 20% | acc | 0.6500 ± 0.0500 | 10 | 0 | 10 |" in markdown
+    assert "xsum" not in markdown and "| copa |" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_missing_results_dir(tmp_path):
+    with pytest.raises(SystemExit):
+        plot.main([str(tmp_path / "nowhere")])
+
+
+def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(plot.NOTEBOOK, as_version=4)
+    os.environ["H2O_EVAL_RESULTS"] = str(results_dir)
+    try:
+        NotebookClient(
+            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        ).execute()
+    finally:
+        del os.environ["H2O_EVAL_RESULTS"]
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    text = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
+    assert "| copa | tiny-llama | simulate | h2o | 20% | acc | 0.6500 ± 0.0500 |" in text
