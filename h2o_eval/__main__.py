@@ -2,27 +2,50 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.run import fail, run
+from h2o_eval.run import execute, fail, record_failure
+
+STATUS_FILE = "status.json"
 
 
 @hydra.main(version_base="1.3", config_path="pkg://h2o_eval.conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> str:
+    """One run. In a sweep a failing run does not stop the others: its error goes to a record of its own,
+    and every job leaves ``status.json`` (ran, skipped or failed) for the sweep's summary."""
+    hydra_config = HydraConfig.get()
     config = OmegaConf.to_container(cfg, resolve=True)
     for key in ("data_dir", "results_dir"):
         if config[key] is not None:
             config[key] = to_absolute_path(config[key])
+    work_dir = Path(hydra_config.runtime.output_dir)
+    sweeping = hydra_config.mode == RunMode.MULTIRUN
+    if sweeping and config["wandb"]["group"] is None:
+        config["wandb"]["group"] = Path(hydra_config.sweep.dir).name
+    status: dict[str, str] = {"overrides": " ".join(hydra_config.overrides.task)}
     try:
-        run(config, Path(HydraConfig.get().runtime.output_dir))
-    except ConfigError as error:
-        fail(error)
+        status["status"], _ = execute(config, work_dir)
+    except Exception as error:
+        if not sweeping:
+            if isinstance(error, ConfigError):
+                fail(error)
+            raise
+        status |= {
+            "status": "failed",
+            "error": f"{type(error).__name__}: {error}",
+            "failure_record": str(record_failure(config, error)),
+        }
+        print(f"failed: {status['error']}")
+    (work_dir / STATUS_FILE).write_text(json.dumps(status))
+    return status["status"]
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
 the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
-same numbers as ``summary.csv`` and ``summary.md``.
+same numbers as ``summary.csv`` and ``summary.md``; ``--wandb-group`` logs them to a sweep's W&B group.
 """
 
 from __future__ import annotations
@@ -132,6 +132,20 @@ def write(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     return [*written, out / "summary.csv", out / "summary.md"]
 
 
+def log_to_wandb(rows: list[dict[str, Any]], files: list[Path], group: str, project: str, mode: str) -> None:
+    """Log the figures and the table as one W&B run in ``group`` (a sweep's runs share its folder's name)."""
+    import wandb
+
+    run = wandb.init(project=project, group=group, job_type="plot", mode=mode, name=f"{group}-plots")
+    run.log(
+        {
+            **{f"figures/{path.stem}": wandb.Image(str(path)) for path in files if path.suffix == ".png"},
+            "summary": wandb.Table(columns=list(COLUMNS), data=[[row[c] for c in COLUMNS] for row in rows]),
+        }
+    )
+    run.finish()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results_dir", nargs="?", default="results", type=Path)
@@ -139,6 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", nargs="*", help="only these models")
     parser.add_argument("--metric", help="metric to plot (default: acc, rouge2 for summarisation)")
     parser.add_argument("--out", type=Path, help="output folder (default: <results_dir>/plots)")
+    parser.add_argument("--wandb-group", help="also log the figures and table to W&B, in this group")
+    parser.add_argument("--wandb-project", default="h2o_eval")
+    parser.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -152,9 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if not rows:
         parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")
-    for path in write(rows, args.out or args.results_dir / "plots"):
+    files = write(rows, args.out or args.results_dir / "plots")
+    for path in files:
         print(path)
     print(markdown(rows))
+    if args.wandb_group:
+        log_to_wandb(rows, files, args.wandb_group, args.wandb_project, args.wandb_mode)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import platform
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,8 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
 
 def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.stem}.*.tmp"):  # left by a process killed mid-write
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as handle:
@@ -72,6 +77,26 @@ def outputs_path(record: Path) -> Path:
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write ``rows`` as JSON Lines, atomically like :func:`write_record`."""
     _atomic_write(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
+
+
+def failure_path(record: Path) -> Path:
+    """Where the error of a failed run with this record path is kept (never read as a result)."""
+    return record.parent / "failed" / record.name
+
+
+@contextmanager
+def exclusive(record: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``record``'s setting: one process computes it while the others wait.
+
+    The lock is the operating system's (``flock``), so a killed process releases it.
+    """
+    record.parent.mkdir(parents=True, exist_ok=True)
+    with (record.parent / f".{record.stem}.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def read_record(path: Path) -> dict[str, Any]:

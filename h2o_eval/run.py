@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+import traceback
+from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -67,14 +69,28 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
     ``work_dir`` receives the files of this run besides its record (lm-eval task YAMLs, W&B's
     offline files); a temporary directory is used when it is None.
     """
+    return execute(config, work_dir)[1]
+
+
+def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, dict[str, Any]]:
+    """:func:`run`, also saying whether the run was computed (``"ran"``) or its record existed (``"skipped"``).
+
+    Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip.
+    """
     config = validate(config)
     path = results.record_path(config["results_dir"], config)
-    if path.exists() and not config["overwrite"]:
-        record = results.read_record(path)
-        print(f"skipped: {path} exists (overwrite=true reruns it)")
-        print(summary_line(record))
-        return record
+    with results.exclusive(path):
+        if path.exists() and not config["overwrite"]:
+            record = results.read_record(path)
+            print(f"skipped: {path} exists (overwrite=true reruns it)")
+            print(summary_line(record))
+            return "skipped", record
+        record = _compute(config, path, work_dir)
+    results.failure_path(path).unlink(missing_ok=True)
+    return "ran", record
 
+
+def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[str, Any]:
     from h2o_eval.models import load_model
 
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
@@ -129,6 +145,23 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
     print(f"record: {path}")
     tracking.log_run(config["wandb"], record, path.stem, work_dir)
     return record
+
+
+def record_failure(config: dict[str, Any], error: BaseException) -> Path:
+    """Keep a failed run's error in a record of its own (``<results_dir>/failed/``), outside the results."""
+    with suppress(ConfigError):  # an invalid config is named from its settings as given
+        config = validate(config)
+    path = results.failure_path(results.record_path(config["results_dir"], config))
+    results.write_record(
+        path,
+        {
+            "error": f"{type(error).__name__}: {error}",
+            "traceback": traceback.format_exception(error),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "config": config,
+        },
+    )
+    return path
 
 
 def _loglikelihood(model, tokenizer, policy: Policy, config: dict[str, Any], work_dir: Path) -> tuple[dict, str]:

@@ -89,3 +89,21 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     assert any("image/png" in o.get("data", {}) for o in outputs)
     text = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
     assert "| copa | tiny-llama | simulate | h2o | 20% | acc | 0.6500 ± 0.0500 |" in text
+
+
+def test_figures_go_to_the_sweeps_wandb_group(results_dir, tmp_path, monkeypatch):
+    import wandb
+
+    logged, real_init = {}, wandb.init
+
+    def init(**kwargs):
+        run = real_init(dir=str(tmp_path), **kwargs)
+        real_log = run.log
+        run.log = lambda data: (
+            logged.update(group=run.group, job_type=run.job_type, keys=sorted(data)) or real_log(data)
+        )
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    plot.main([str(results_dir), "--out", str(tmp_path / "plots"), "--wandb-group", "sweep-7"])
+    assert logged == {"group": "sweep-7", "job_type": "plot", "keys": ["figures/copa", "figures/xsum", "summary"]}

@@ -1,0 +1,88 @@
+"""Sweeps: every launcher ends with exactly the expected records; killed sweeps resume; failures are kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+SWEEP = ("model=tiny-llama", "task=copa,rte", "policy=full,h2o", "budget=0.2,0.5", "limit=4", "batch_size=4")
+# full ignores the budget: one record per task; h2o: one per task and budget.
+EXPECTED = {
+    (task, policy, budget) for task in ("copa", "rte") for policy, budget in [("full", 1.0), ("h2o", 0.2), ("h2o", 0.5)]
+}
+
+
+def sweep(*args: str, cwd, wait: bool = True):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    command = [sys.executable, "-m", "h2o_eval", "--multirun", *args]
+    if not wait:
+        return subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def records(results_dir):
+    found = [json.loads(p.read_text()) for p in results_dir.glob("*.json")]
+    return [(r["task"], r["policy"], r["budget"]) for r in found]
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"), ("hydra/launcher=submitit_local",)],
+    ids=["joblib", "submitit_local"],
+)
+def test_a_sweep_through_a_launcher_writes_each_record_once(tmp_path, data_dir, launcher):
+    done = sweep(*SWEEP, *launcher, f"data_dir={data_dir}", "results_dir=out", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    found = records(tmp_path / "out")
+    assert sorted(found) == sorted(EXPECTED)
+    assert "6 ran, 2 skipped, 0 failed" in done.stdout
+
+
+def test_a_sweep_killed_mid_run_resumes_with_only_what_is_missing(tmp_path, data_dir):
+    args = (*SWEEP, f"data_dir={data_dir}", "results_dir=out")
+    process = sweep(*args, cwd=tmp_path, wait=False)
+    deadline = time.monotonic() + 600
+    while len(list((tmp_path / "out").glob("*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    before = set(records(tmp_path / "out"))
+    assert 2 <= len(before) < len(EXPECTED), "the sweep was not killed mid-way: the test proves nothing"
+
+    done = sweep(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert sorted(records(tmp_path / "out")) == sorted(EXPECTED)
+    ran = len(EXPECTED) - len(before)
+    assert f"{ran} ran, {8 - ran} skipped, 0 failed" in done.stdout
+    assert not list((tmp_path / "out").glob(".*.tmp"))
+
+
+def test_a_failing_job_is_recorded_and_the_others_run(tmp_path, data_dir):
+    local = tmp_path / "data"
+    local.mkdir()
+    (local / "copa").symlink_to(data_dir / "copa")  # rte's data is missing
+    done = sweep(
+        "model=tiny-llama",
+        "task=copa,rte",
+        "policy=h2o",
+        "limit=4",
+        f"data_dir={local}",
+        "results_dir=out",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1
+    assert "1 ran, 0 skipped, 1 failed" in done.stdout
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("  failed: ")]
+    assert "task=rte" in line and "no data file" in line
+    assert records(tmp_path / "out") == [("copa", "h2o", 0.2)]
+    (failure,) = (tmp_path / "out" / "failed").glob("*.json")
+    saved = json.loads(failure.read_text())
+    assert saved["error"].startswith("ConfigError: no data file") and saved["config"]["task"]["name"] == "rte"
