@@ -8,6 +8,7 @@ most C entries per KV head. A forward in which any layer bypassed the backend fa
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,11 +21,27 @@ from transformers.masking_utils import sdpa_mask
 
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, attend_held, claim_slot, random_scores
-from h2o_eval.policies import KERNELS, Full, H2OReference, Policy, ScoreRule, check_protocol
+from h2o_eval.policies import TRITON_DECODE_ONLY, Full, H2OReference, Policy, ScoreRule, check_protocol
 
 BACKEND = "h2o_eval"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt", "gpt_neox", "gpt2")
-KERNEL_FUNCTIONS = dict(zip(KERNELS, (attend_chunk, attend_chunk_reference), strict=True))
+KERNEL_FUNCTIONS = {"auto": attend_chunk, "torch": attend_chunk_reference, "triton": attend_chunk}
+
+
+def _triton_usable(device: torch.device) -> bool:
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _decode_triton(kernels: str, model: torch.nn.Module) -> bool:
+    """Whether decode steps run the Triton kernel: ``auto`` on CUDA, ``triton`` where Triton can run."""
+    device = next(model.parameters()).device
+    if kernels == "triton" and not _triton_usable(device):
+        raise ConfigError(
+            f"kernels=triton needs a CUDA device, not {device} (TRITON_INTERPRET=1 runs it in Triton's "
+            "interpreter for tests)"
+        )
+    return kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+
 
 _last_update: EvictionLayer | None = None
 
@@ -186,6 +203,8 @@ def patch(
     """
     check_supported(model)
     check_protocol(policy, protocol, kernels)
+    if kernels == "triton":
+        raise ConfigError(TRITON_DECODE_ONLY)
     session = Session(model, policy, protocol, kernels)
     modules = _attention_modules(model)
     previous = model.config._attn_implementation
@@ -326,7 +345,7 @@ class EvictionLayer(CacheLayerMixin):
                     "a padding token after the prompt: EvictionCache takes padding only in the first chunk"
                 )
             self.slot = None
-            output = attend_held(query, key, value, self.held, self.scores, owner.policy.rule, scaling)
+            output = attend_held(query, key, value, self.held, self.scores, owner.policy.rule, scaling, owner.triton)
             self.seen += 1
             self.real_seen = self.real_seen + 1
             owner.peak_entries = max(owner.peak_entries, int(self.held.sum(-1).max()))
@@ -413,6 +432,7 @@ class EvictionCache(Cache):
             raise ConfigError(f"policy {policy.name!r} exists only as a simulation: use patch(..., 'simulate')")
         check_protocol(policy, protocol, kernels)
         self.policy, self.protocol, self.length, self.kernel = policy, protocol, length, KERNEL_FUNCTIONS[kernels]
+        self.triton = _decode_triton(kernels, model)
         self.peak_entries = 0
         self.capacity = self.recent = self.sinks = None
         layers = model.config.num_hidden_layers

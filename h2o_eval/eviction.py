@@ -344,14 +344,25 @@ def attend_held(
     scores: torch.Tensor,
     rule: ScoreRule,
     scaling: float,
+    triton: bool = False,
 ) -> torch.Tensor:
-    """Steps 2-3 for one query per sequence [B, Hq, 1, D] over the held slots; updates ``scores`` in place."""
-    logits = _logits(query, keys, scaling).masked_fill(~held.view(held.shape[0], held.shape[1], 1, 1, -1), -torch.inf)
-    probs = torch.softmax(logits, dim=-1)
-    attention = probs.sum(dim=(2, 3))
+    """Steps 2-3 for one query per sequence [B, Hq, 1, D] over the held slots; updates ``scores`` in place.
+
+    ``triton``: the attention and its group-summed probabilities come from one Triton kernel
+    (``h2o_eval.kernels.decode_attention``), whose reference is this function's torch path.
+    """
+    if triton:
+        from h2o_eval.kernels.decode_attention import decode_attention
+
+        attention = torch.zeros_like(scores)
+        output = decode_attention(query[:, :, 0], keys, values, held, attention, scaling).unsqueeze(2)
+    else:
+        logits = _logits(query, keys, scaling).masked_fill(~held.view(*held.shape[:2], 1, 1, -1), -torch.inf)
+        probs = torch.softmax(logits, dim=-1)
+        attention = probs.sum(dim=(2, 3))
+        output = torch.matmul(probs, values.float().unsqueeze(2)).view(*query.shape[:2], 1, -1).to(query.dtype)
     if rule is ScoreRule.ACCUMULATE:
         scores += attention
     elif rule is ScoreRule.CURRENT:
         scores.copy_(torch.where(held, attention, scores))
-    output = torch.matmul(probs, values.float().unsqueeze(2))
-    return output.view(query.shape[0], query.shape[1], 1, -1).to(query.dtype)
+    return output

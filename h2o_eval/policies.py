@@ -20,7 +20,10 @@ from typing import ClassVar
 from h2o_eval.errors import ConfigError
 
 PROTOCOLS = ("simulate", "prefill")
-KERNELS = ("auto", "torch")  # implementations of the mechanism: compiled scan, or the plain reference loop
+# Implementations of the mechanism: auto (the compiled CPU scan; Triton for decode steps on CUDA), torch (the
+# plain reference loop), triton (the Triton kernels; so far the decode step of EvictionCache).
+KERNELS = ("auto", "torch", "triton")
+TRITON_DECODE_ONLY = "kernels=triton so far covers EvictionCache's decode steps: use kernels=auto or torch here"
 
 
 class ScoreRule(str, Enum):
