@@ -69,8 +69,16 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     """[B, Hkv, G, n, N] float32 attention logits."""
     batch, q_heads, n, dim = query.shape
     kv_heads = key.shape[1]
-    grouped = query.float().view(batch, kv_heads, q_heads // kv_heads, n, dim)
-    return torch.matmul(grouped, key.float().transpose(-1, -2).unsqueeze(2)) * scaling
+    grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * n, dim)  # no copy of K per group
+    logits = torch.matmul(grouped, key.float().transpose(-1, -2)) * scaling
+    return logits.view(batch, kv_heads, q_heads // kv_heads, n, -1)
+
+
+def _weighted_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """probs [B, Hkv, G, n, N] @ value [B, Hkv, N, D] -> [B, Hq, n, D] float32, without copying V per group."""
+    batch, kv_heads, group, n, slots = probs.shape
+    out = torch.matmul(probs.reshape(batch, kv_heads, group * n, slots), value.float())
+    return out.view(batch, kv_heads * group, n, -1)
 
 
 def _compress_rows(chunk: Chunk, n: int) -> torch.Tensor:
@@ -177,7 +185,7 @@ def attend_chunk(
     own_slot = torch.arange(slots, device=device).view(1, 1, 1, slots) == (slots - n + rows)
     visible = visible | (padding_rows & own_slot)
     probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), float("-inf")), dim=-1)
-    output = torch.matmul(probs, value.float().unsqueeze(2)).view(batch, q_heads, n, -1)
+    output = _weighted_values(probs, value)
     return (
         output.to(query.dtype),
         torch.from_numpy(held).to(device),
@@ -211,7 +219,7 @@ def _prefill_chunk(
             stop = min(start + block, n)
             logits = _logits(query[:, :, start:stop], key, chunk.scaling)
             probs = torch.softmax(logits.masked_fill(~visible[:, None, None, start:stop], -torch.inf), dim=-1)
-            output[:, :, start:stop] = torch.matmul(probs, value.float().unsqueeze(2)).flatten(1, 2).to(query.dtype)
+            output[:, :, start:stop] = _weighted_values(probs, value).to(query.dtype)
             attention += torch.einsum("bhgrn,br->bhn", probs, weights[:, start:stop])
         scores = scores + attention if chunk.rule is ScoreRule.ACCUMULATE else attention
     held = arriving.unsqueeze(1).expand_as(scores).clone()
@@ -360,7 +368,7 @@ def attend_held(
         logits = _logits(query, keys, scaling).masked_fill(~held.view(*held.shape[:2], 1, 1, -1), -torch.inf)
         probs = torch.softmax(logits, dim=-1)
         attention = probs.sum(dim=(2, 3))
-        output = torch.matmul(probs, values.float().unsqueeze(2)).view(*query.shape[:2], 1, -1).to(query.dtype)
+        output = _weighted_values(probs, values).to(query.dtype)
     if rule is ScoreRule.ACCUMULATE:
         scores += attention
     elif rule is ScoreRule.CURRENT:
