@@ -118,7 +118,7 @@ def summarise(
     entry_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
 
     outputs: list[dict[str, Any]] = []
-    generated_tokens = decode_seconds = peak_entries = 0
+    generated_tokens = decode_seconds = peak_entries = full_entries = 0
     progress = tqdm(range(0, len(indices), batch_size), desc=f"generating {task['name']}", unit="batch")
     for start in progress:
         batch = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True).to(device)
@@ -142,6 +142,8 @@ def summarise(
         new_tokens = sequences[:, batch.input_ids.shape[1] :]
         prompt_lengths = batch.attention_mask.sum(-1).tolist()
         peak_entries = max(peak_entries, cache.peak_entries)
+        # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
+        full_entries = max(full_entries, max(prompt_lengths) + new_tokens.shape[1] - 1)
         for row, index in enumerate(indices[start : start + batch_size]):
             padding = new_tokens[row] == tokenizer.pad_token_id
             length = int(padding.int().argmax()) if bool(padding.any()) else new_tokens.shape[1]
@@ -165,7 +167,6 @@ def summarise(
         output["rouge"] = score
     n = max(len(outputs), 1)
     prompt_mean = sum(o["prompt_tokens"] for o in outputs) / n
-    full_entries = max((o["prompt_tokens"] + o["generated_tokens"] for o in outputs), default=0)
     fields = {
         "metrics": {name: sum(s[name] for s in scores) / n for name in ROUGE_TYPES},
         "n_samples": len(outputs),

@@ -140,3 +140,19 @@ def test_rouge_scores_match_hand_computed_values():
     (score,) = rouge(["the cat sat on the mat"], ["the cat is on the mat"])
     assert score["rouge1"] == pytest.approx(5 / 6)
     assert score["rouge2"] == pytest.approx(3 / 5)
+
+
+def test_full_policy_peak_kv_is_the_full_cache(tmp_path, data_dir):
+    config = make_config(
+        data_dir,
+        tmp_path / "results",
+        model="tiny-gpt2",
+        task="xsum",
+        policy="full",
+        limit=3,
+        batch_size=2,
+        num_fewshot=0,
+        **{"generation.max_new_tokens": 6, "generation.max_words": 40},
+    )
+    stats = run(config, tmp_path / "work")["generation"]
+    assert stats["kv_peak_entries"] == stats["kv_full_entries"] > 0
