@@ -35,6 +35,16 @@ def decode_attention_reference(
 
 
 @triton.jit
+def _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Logits [BLOCK_G, BLOCK_S] of the group's queries against one block of slots (-inf where not held)."""
+    s = start + tl.arange(0, BLOCK_S)
+    s_ok = s < slots
+    is_held = tl.load(held_base + s, mask=s_ok, other=0) != 0
+    k = tl.load(k_base + s[:, None] * stride_ks + tl.arange(0, dim)[None, :], mask=s_ok[:, None], other=0.0)
+    return tl.where(is_held[None, :], tl.dot(q, tl.trans(k.to(tl.float32))) * scaling, float("-inf")), s, s_ok
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, held_ptr, scores_ptr, out_ptr,
     slots, scaling,
@@ -59,17 +69,13 @@ def _decode_attention_kernel(
     top = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, dim), tl.float32)
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    held_base = held_ptr + b * stride_hb + h * stride_hh
     for start in range(0, slots, BLOCK_S):
-        s = start + tl.arange(0, BLOCK_S)
-        s_ok = s < slots
-        is_held = tl.load(held_ptr + b * stride_hb + h * stride_hh + s, mask=s_ok, other=0) != 0
-        k = tl.load(
-            k_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0
-        ).to(tl.float32)
+        logits, s, s_ok = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
         v = tl.load(
             v_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :], mask=s_ok[:, None], other=0.0
         ).to(tl.float32)
-        logits = tl.where(is_held[None, :], tl.dot(q, tl.trans(k)) * scaling, float("-inf"))
         new_top = tl.maximum(top, tl.max(logits, axis=1))
         safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
         p = tl.exp(logits - safe_top[:, None])
@@ -84,13 +90,7 @@ def _decode_attention_kernel(
         mask=g_ok[:, None],
     )
     for start in range(0, slots, BLOCK_S):
-        s = start + tl.arange(0, BLOCK_S)
-        s_ok = s < slots
-        is_held = tl.load(held_ptr + b * stride_hb + h * stride_hh + s, mask=s_ok, other=0) != 0
-        k = tl.load(
-            k_ptr + b * stride_kb + h * stride_kh + s[:, None] * stride_ks + d[None, :], mask=s_ok[:, None], other=0.0
-        ).to(tl.float32)
-        logits = tl.where(is_held[None, :], tl.dot(q, tl.trans(k)) * scaling, float("-inf"))
+        logits, s, s_ok = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
         p = tl.exp(logits - top[:, None]) / total[:, None]
         p = tl.where(g_ok[:, None], p, 0.0)
         column = scores_ptr + b * stride_sb + h * stride_sh + s
