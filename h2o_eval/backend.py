@@ -120,6 +120,11 @@ class Session:
         self.context_lengths: list[int] | None = None
         self.calls: set[int] = set()
         self.capacities: list[tuple[int, int]] = []  # (sequence length the budget applies to, capacity)
+        self._layout: dict[str, torch.Tensor] | None = None  # the current forward's plan, shared by its layers
+
+    def start_forward(self) -> None:
+        self.calls.clear()
+        self._layout = None
 
     def attend(self, module, query, key, value, attention_mask, scaling) -> torch.Tensor:
         layer_idx = module.layer_idx
@@ -135,28 +140,36 @@ class Session:
         if isinstance(self.policy, H2OReference):
             self._record(layer_idx, lengths, [sum(self.policy.budgets(n)) + 1 for n in lengths])
             return h2o_reference_attention(self.policy, query, key, value, valid, scaling)
-        pads_before = (valid.cumsum(-1) == 0).sum(-1)
-        if self.protocol == "prefill":
-            budget_lengths = self._context_lengths(batch)
-            prefill = pads_before + torch.tensor(budget_lengths, device=key.device)
-        else:
-            budget_lengths, prefill = lengths, torch.zeros(batch, dtype=torch.int64, device=key.device)
-        capacity, recent, sinks = _plan_tensors(self.policy, budget_lengths, key.device)
-        self._record(layer_idx, budget_lengths, capacity.tolist())
-        position = ((valid.cumsum(-1) - 1).clamp(min=0)).unsqueeze(1).expand(batch, kv_heads, length)
+        if self._layout is None:
+            self._layout = self._plan_forward(valid, lengths, kv_heads)
+        layout = self._layout
         chunk = Chunk(
             held=torch.zeros(batch, kv_heads, length, dtype=torch.bool, device=key.device),
             arriving=valid,
-            position=position.contiguous(),
-            scores=_initial_scores(self.policy, layer_idx, position),
-            capacity=capacity,
-            recent=recent,
-            sinks=sinks,
-            prefill=prefill,
+            position=layout["position"],
+            scores=_initial_scores(self.policy, layer_idx, layout["position"]),
+            capacity=layout["capacity"],
+            recent=layout["recent"],
+            sinks=layout["sinks"],
+            prefill=layout["prefill"],
             rule=self.policy.rule,
             scaling=scaling,
         )
         return self.kernel(query, key, value, chunk)[0]
+
+    def _plan_forward(self, valid: torch.Tensor, lengths: list[int], kv_heads: int) -> dict[str, torch.Tensor]:
+        """Capacities, prefill rows and positions of this forward's sequences (the same in every layer)."""
+        batch, length = valid.shape
+        if self.protocol == "prefill":
+            budget_lengths = self._context_lengths(batch)
+            pads_before = (valid.cumsum(-1) == 0).sum(-1)
+            prefill = pads_before + torch.tensor(budget_lengths, device=valid.device)
+        else:
+            budget_lengths, prefill = lengths, torch.zeros(batch, dtype=torch.int64, device=valid.device)
+        capacity, recent, sinks = _plan_tensors(self.policy, budget_lengths, valid.device)
+        self.capacities.extend(zip(budget_lengths, capacity.tolist(), strict=True))
+        position = (valid.cumsum(-1) - 1).clamp(min=0).unsqueeze(1).expand(batch, kv_heads, length).contiguous()
+        return {"capacity": capacity, "recent": recent, "sinks": sinks, "prefill": prefill, "position": position}
 
     def _context_lengths(self, batch: int) -> list[int]:
         if self.context_lengths is None or len(self.context_lengths) != batch:
@@ -209,7 +222,7 @@ def patch(
     modules = _attention_modules(model)
     previous = model.config._attn_implementation
     hooks = [
-        model.register_forward_pre_hook(lambda *_: session.calls.clear()),
+        model.register_forward_pre_hook(lambda *_: session.start_forward()),
         model.register_forward_hook(lambda *_: session.check_forward()),
     ]
     for module in modules:
