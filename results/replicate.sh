@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The replication on SmolLM2-135M with the local data: every command that produced results/replication/.
+# Resumable: a setting whose record exists is skipped, so run it again after any interruption.
+#   bash results/replicate.sh [DATA_DIR] [RUNS_DIR]
+set -euo pipefail
+data=${1:-../shared/data}
+runs=${2:-results/runs}
+sweep() { python -m h2o_eval --multirun model=smollm2-135m data_dir="$data" results_dir="$runs" wandb.mode=disabled "$@"; }
+
+ll5="task=copa,rte,openbookqa,winogrande,piqa limit=200"  # COPA has 100 documents, RTE 277
+mathqa="task=mathqa limit=100"                             # 5 choices of long text: the costliest task
+
+# 1. the headline: full cache, H2O and local at 20 % (simulate protocol), then summarisation
+sweep $ll5 policy=full,h2o,local budget=0.2
+sweep $mathqa policy=full,h2o,local budget=0.2
+sweep task=xsum,cnn_dailymail limit=50 num_fewshot=0 policy=full,h2o,local budget=0.2
+# 2. the other budgets
+sweep $ll5 policy=h2o,local budget=0.05,0.1,0.5
+sweep $mathqa policy=h2o,local budget=0.05,0.1,0.5
+# 3. the deployment protocol at 20 %
+sweep $ll5 policy=h2o,local budget=0.2 protocol=prefill
+sweep $mathqa policy=h2o,local budget=0.2 protocol=prefill
+# 4. the authors' simulation
+sweep $ll5 policy=h2o_reference budget=0.05,0.1,0.2,0.5
+sweep $mathqa policy=h2o_reference budget=0.05,0.1,0.2,0.5
