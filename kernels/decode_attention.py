@@ -5,7 +5,9 @@ the held slots (variable per KV head: ``held`` masks the rest), writes the atten
 slot's probability, summed over the group, into ``scores`` — the H2O accumulation of a decode step.
 
 Shapes: query [B, Hq, D]; keys, values [B, Hkv, S, D]; held [B, Hkv, S] bool; scores [B, Hkv, S] float32
-(updated in place); output [B, Hq, D]. :func:`decode_attention_reference` is the PyTorch definition.
+(updated in place); output [B, Hq, D]. :func:`h2o_eval.kernels.reference.decode_attention_reference` is the
+PyTorch definition. :func:`attend_group` and :func:`update_scores` are the step's two passes, shared with the
+chunked eviction scan (``eviction_scan.py``), which runs them once per row.
 """
 
 from __future__ import annotations
@@ -15,25 +17,6 @@ import triton
 import triton.language as tl
 
 
-def decode_attention_reference(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    held: torch.Tensor,
-    scores: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """Softmax over the held slots of each KV head for its G query heads; adds the probabilities, summed over
-    the group, into ``scores``. Returns the output [B, Hq, D] in the query's dtype."""
-    batch, q_heads, dim = query.shape
-    kv_heads = keys.shape[1]
-    grouped = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
-    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scaling
-    probs = torch.softmax(logits.masked_fill(~held.unsqueeze(2), -torch.inf), dim=-1)
-    scores += probs.sum(dim=2)
-    return torch.matmul(probs, values.float()).view(batch, q_heads, dim).to(query.dtype)
-
-
 @triton.jit
 def _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim: tl.constexpr, BLOCK_S: tl.constexpr):
     """Logits [BLOCK_G, BLOCK_S] of the group's queries against one block of slots (-inf where not held)."""
@@ -41,7 +24,53 @@ def _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim: t
     s_ok = s < slots
     is_held = tl.load(held_base + s, mask=s_ok, other=0) != 0
     k = tl.load(k_base + s[:, None] * stride_ks + tl.arange(0, dim)[None, :], mask=s_ok[:, None], other=0.0)
-    return tl.where(is_held[None, :], tl.dot(q, tl.trans(k.to(tl.float32))) * scaling, float("-inf")), s, s_ok
+    logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scaling
+    return tl.where(is_held[None, :], logits, float("-inf")), s, s_ok, is_held
+
+
+@triton.jit
+def attend_group(
+    q, k_base, v_base, held_base, out_base, stride_ks, stride_vs, stride_oh, slots, scaling, g_ok,
+    dim: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the group's queries q [BLOCK_G, dim] over the held slots < ``slots``; stores the
+    output rows (stride ``stride_oh`` between query heads) and returns the row max and normaliser."""
+    d = tl.arange(0, dim)
+    top = tl.full((q.shape[0],), float("-inf"), tl.float32)
+    total = tl.zeros((q.shape[0],), tl.float32)
+    acc = tl.zeros((q.shape[0], dim), tl.float32)
+    for start in range(0, slots, BLOCK_S):
+        logits, s, s_ok, _ = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
+        v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=s_ok[:, None], other=0.0).to(tl.float32)
+        new_top = tl.maximum(top, tl.max(logits, axis=1))
+        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
+        p = tl.exp(logits - safe_top[:, None])
+        rescale = tl.exp(top - safe_top)
+        total = total * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        top = new_top
+    total = tl.where(g_ok, total, 1.0)
+    g = tl.arange(0, q.shape[0])
+    tl.store(out_base + g[:, None] * stride_oh + d[None, :], acc / total[:, None], mask=g_ok[:, None])
+    return top, total
+
+
+@triton.jit
+def update_scores(
+    q, k_base, held_base, scores_base, stride_ks, slots, scaling, top, total, g_ok,
+    REPLACE: tl.constexpr, dim: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Each held slot's probability, summed over the group: added to its score, or (``REPLACE``) its new
+    score. Slots not held keep theirs."""
+    for start in range(0, slots, BLOCK_S):
+        logits, s, s_ok, is_held = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
+        p = tl.where(g_ok[:, None], tl.exp(logits - top[:, None]) / total[:, None], 0.0)
+        column = tl.sum(p, axis=0)
+        old = tl.load(scores_base + s, mask=s_ok, other=0.0)
+        if REPLACE:
+            tl.store(scores_base + s, tl.where(is_held, column, old), mask=s_ok)
+        else:
+            tl.store(scores_base + s, old + column, mask=s_ok)
 
 
 @triton.jit
@@ -57,44 +86,26 @@ def _decode_attention_kernel(
     kv_heads: tl.constexpr, group: tl.constexpr, dim: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    b = pid // kv_heads
-    h = pid % kv_heads
+    b = tl.program_id(0) // kv_heads
+    h = tl.program_id(0) % kv_heads
     g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, dim)
     g_ok = g < group
-    q = tl.load(
-        q_ptr + b * stride_qb + (h * group + g)[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0
-    ).to(tl.float32)
-    top = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-    total = tl.zeros((BLOCK_G,), tl.float32)
-    acc = tl.zeros((BLOCK_G, dim), tl.float32)
+    q_ptrs = q_ptr + b * stride_qb + (h * group + g)[:, None] * stride_qh + tl.arange(0, dim)[None, :]
+    q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
     k_base = k_ptr + b * stride_kb + h * stride_kh
     held_base = held_ptr + b * stride_hb + h * stride_hh
-    for start in range(0, slots, BLOCK_S):
-        logits, s, s_ok = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
-        v = tl.load(
-            v_ptr + b * stride_vb + h * stride_vh + s[:, None] * stride_vs + d[None, :], mask=s_ok[:, None], other=0.0
-        ).to(tl.float32)
-        new_top = tl.maximum(top, tl.max(logits, axis=1))
-        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
-        p = tl.exp(logits - safe_top[:, None])
-        rescale = tl.exp(top - safe_top)
-        total = total * rescale + tl.sum(p, axis=1)
-        acc = acc * rescale[:, None] + tl.dot(p, v)
-        top = new_top
-    out = acc / total[:, None]
-    tl.store(
-        out_ptr + b * stride_ob + (h * group + g)[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=g_ok[:, None],
-    )
-    for start in range(0, slots, BLOCK_S):
-        logits, s, s_ok = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
-        p = tl.exp(logits - top[:, None]) / total[:, None]
-        p = tl.where(g_ok[:, None], p, 0.0)
-        column = scores_ptr + b * stride_sb + h * stride_sh + s
-        tl.store(column, tl.load(column, mask=s_ok, other=0.0) + tl.sum(p, axis=0), mask=s_ok)
+    out_base = out_ptr + b * stride_ob + h * group * stride_oh
+    top, total = attend_group(
+        q, k_base, v_ptr + b * stride_vb + h * stride_vh, held_base, out_base,
+        stride_ks, stride_vs, stride_oh, slots, scaling, g_ok, dim, BLOCK_S,
+    )  # fmt: skip
+    scores_base = scores_ptr + b * stride_sb + h * stride_sh
+    update_scores(q, k_base, held_base, scores_base, stride_ks, slots, scaling, top, total, g_ok, False, dim, BLOCK_S)
+
+
+def group_block(group: int) -> int:
+    """Rows of the query tile: the group's heads, padded to the 16 that ``tl.dot`` needs at least."""
+    return max(16, triton.next_power_of_2(group))
 
 
 def decode_attention(
@@ -112,7 +123,7 @@ def decode_attention(
     group = q_heads // kv_heads
     query, keys, values = query.contiguous(), keys.contiguous(), values.contiguous()
     held = held.to(torch.int8).contiguous()
-    output = torch.empty_like(query)
+    output = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     _decode_attention_kernel[(batch * kv_heads,)](
         query, keys, values, held, scores, output,
         slots, scaling,
@@ -122,7 +133,6 @@ def decode_attention(
         held.stride(0), held.stride(1),
         scores.stride(0), scores.stride(1),
         output.stride(0), output.stride(1),
-        kv_heads=kv_heads, group=group, dim=dim,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_S=block_slots,
+        kv_heads=kv_heads, group=group, dim=dim, BLOCK_G=group_block(group), BLOCK_S=block_slots,
     )  # fmt: skip
-    return output
+    return output.to(query.dtype)

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 import torch
-from h2o_eval.kernels.decode_attention import decode_attention, decode_attention_reference
+from h2o_eval.kernels.decode_attention import decode_attention
+from h2o_eval.kernels.reference import decode_attention_reference
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
