@@ -8,7 +8,6 @@ most C entries per KV head. A forward in which any layer bypassed the backend fa
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,26 +19,27 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, attend_held, claim_slot, random_scores
-from h2o_eval.policies import TRITON_DECODE_ONLY, Full, H2OReference, Policy, ScoreRule, check_protocol
+from h2o_eval.eviction import (
+    Chunk,
+    attend_chunk,
+    attend_chunk_reference,
+    attend_chunk_triton,
+    attend_held,
+    claim_slot,
+    random_scores,
+)
+from h2o_eval.policies import Full, H2OReference, Policy, ScoreRule, check_kernels, check_protocol
 
 BACKEND = "h2o_eval"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt", "gpt_neox", "gpt2")
-KERNEL_FUNCTIONS = {"auto": attend_chunk, "torch": attend_chunk_reference, "triton": attend_chunk}
-
-
-def _triton_usable(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+# auto: Triton on CUDA tensors, the numba-compiled scan elsewhere; torch: the plain reference loop; triton: forced.
+KERNEL_FUNCTIONS = {"auto": attend_chunk, "torch": attend_chunk_reference, "triton": attend_chunk_triton}
 
 
 def _decode_triton(kernels: str, model: torch.nn.Module) -> bool:
     """Whether decode steps run the Triton kernel: ``auto`` on CUDA, ``triton`` where Triton can run."""
     device = next(model.parameters()).device
-    if kernels == "triton" and not _triton_usable(device):
-        raise ConfigError(
-            f"kernels=triton needs a CUDA device, not {device} (TRITON_INTERPRET=1 runs it in Triton's "
-            "interpreter for tests)"
-        )
+    check_kernels(kernels, device.type)
     return kernels == "triton" or (kernels == "auto" and device.type == "cuda")
 
 
@@ -216,8 +216,7 @@ def patch(
     """
     check_supported(model)
     check_protocol(policy, protocol, kernels)
-    if kernels == "triton":
-        raise ConfigError(TRITON_DECODE_ONLY)
+    check_kernels(kernels, next(model.parameters()).device.type)
     session = Session(model, policy, protocol, kernels)
     modules = _attention_modules(model)
     previous = model.config._attn_implementation

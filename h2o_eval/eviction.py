@@ -27,6 +27,7 @@ import numba
 import numpy as np
 import torch
 
+from h2o_eval.kernels.reference import column_scores_reference, decode_attention_reference, visible
 from h2o_eval.policies import ScoreRule
 
 _RULE_CODE = {ScoreRule.ACCUMULATE: 0, ScoreRule.CURRENT: 1, ScoreRule.RANDOM: 2, ScoreRule.NONE: 3}
@@ -144,13 +145,16 @@ def attend_chunk_reference(
 def attend_chunk(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`attend_chunk_reference`, with the row scan compiled (numba) on the CPU.
+    """Same contract as :func:`attend_chunk_reference`: on CUDA the Triton kernels (:func:`attend_chunk_triton`),
+    elsewhere the row scan compiled with numba.
 
     A chunk that is all prefill from an empty cache (a prompt) takes :func:`_prefill_chunk` instead.
     """
+    if query.is_cuda:
+        return attend_chunk_triton(query, key, value, chunk)
     batch, q_heads, n, _ = query.shape
     slots = key.shape[2]
-    if slots == n and bool((chunk.prefill >= n).all()):
+    if _is_prompt(chunk, n, slots):
         return _prefill_chunk(query, key, value, chunk)
     logits = _logits(query, key, chunk.scaling)
     held = chunk.held.cpu().numpy().copy()
@@ -193,35 +197,64 @@ def attend_chunk(
     )
 
 
-def _prefill_chunk(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, block: int = 256
+def attend_chunk_triton(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A whole chunk of prefill rows from an empty cache: causal attention a block of rows at a time, the score
-    rule applied to its probabilities (column sums for ``accumulate``, the last row for ``current``; SDPA alone
-    when no score needs them), then compression to C: the lowest (score, position) unprotected tokens go."""
+    """Same contract as :func:`attend_chunk_reference`, on the Triton kernels of ``h2o_eval.kernels``: a prompt
+    (all prefill, empty cache) through ``column_scores``, any other chunk through ``eviction_scan``."""
+    if _is_prompt(chunk, query.shape[2], key.shape[2]):
+        return _prefill_chunk(query, key, value, chunk, triton=True)
+    from h2o_eval.kernels.eviction_scan import eviction_scan
+
+    return eviction_scan(
+        query,
+        key,
+        value,
+        chunk.held,
+        chunk.arriving,
+        chunk.position,
+        chunk.scores,
+        chunk.capacity,
+        chunk.recent,
+        chunk.sinks,
+        chunk.prefill,
+        _compress_rows(chunk, query.shape[2]),
+        _RULE_CODE[chunk.rule],
+        chunk.scaling,
+    )
+
+
+def _is_prompt(chunk: Chunk, n: int, slots: int) -> bool:
+    """All rows are prefill rows and the cache starts empty."""
+    return slots == n and bool((chunk.prefill >= n).all())
+
+
+def _prefill_chunk(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, triton: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A whole chunk of prefill rows from an empty cache: causal attention with the score rule applied to its
+    probabilities (column sums for ``accumulate``, the last row for ``current``; SDPA alone when no score needs
+    them), from ``column_scores`` (Triton) or its PyTorch reference, then compression to C: the lowest
+    (score, position) unprotected tokens go."""
     batch, _, n, _ = query.shape
     device = query.device
     arriving = chunk.arriving
-    rows = torch.arange(n, device=device)
-    visible = (rows.view(1, n, 1) >= rows.view(1, 1, n)) & arriving.view(batch, 1, n)
-    visible = visible | (~arriving.view(batch, n, 1) & (rows.view(1, n, 1) == rows.view(1, 1, n)))
-    scores = chunk.scores.clone().float()
     if chunk.rule not in (ScoreRule.ACCUMULATE, ScoreRule.CURRENT):
+        seen = visible(arriving, torch.arange(n, device=device), torch.arange(n, device=device))
         output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=visible.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
+            query, key, value, attn_mask=seen.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
         )
+        scores = chunk.scores.clone().float()
     else:  # the probabilities are needed anyway: one pass gives the outputs and the scores
-        output = torch.empty_like(query)
-        attention = torch.zeros_like(scores)
         last = (arriving.cumsum(-1) == arriving.sum(-1, keepdim=True)) & arriving  # each sequence's last row
         weights = (arriving if chunk.rule is ScoreRule.ACCUMULATE else last).float()
-        for start in range(0, n, block):
-            stop = min(start + block, n)
-            logits = _logits(query[:, :, start:stop], key, chunk.scaling)
-            probs = torch.softmax(logits.masked_fill(~visible[:, None, None, start:stop], -torch.inf), dim=-1)
-            output[:, :, start:stop] = _weighted_values(probs, value).to(query.dtype)
-            attention += torch.einsum("bhgrn,br->bhn", probs, weights[:, start:stop])
-        scores = scores + attention if chunk.rule is ScoreRule.ACCUMULATE else attention
+        if triton:
+            from h2o_eval.kernels.column_scores import column_scores
+
+            output, attention = column_scores(query, key, value, arriving, weights, chunk.scaling)
+        else:
+            output, attention = column_scores_reference(query, key, value, arriving, weights, chunk.scaling)
+        scores = chunk.scores.float() + attention if chunk.rule is ScoreRule.ACCUMULATE else attention
     held = arriving.unsqueeze(1).expand_as(scores).clone()
     now = (arriving.sum(-1) - 1).view(-1, 1, 1)
     protected = (chunk.position > now - chunk.recent.view(-1, 1, 1)) | (chunk.position < chunk.sinks.view(-1, 1, 1))
@@ -356,21 +389,18 @@ def attend_held(
 ) -> torch.Tensor:
     """Steps 2-3 for one query per sequence [B, Hq, 1, D] over the held slots; updates ``scores`` in place.
 
-    ``triton``: the attention and its group-summed probabilities come from one Triton kernel
-    (``h2o_eval.kernels.decode_attention``), whose reference is this function's torch path.
+    The attention and its group-summed probabilities come from ``decode_attention`` (``triton``: the Triton
+    kernel of ``h2o_eval.kernels``) or its PyTorch reference.
     """
+    attention = torch.zeros_like(scores)
     if triton:
         from h2o_eval.kernels.decode_attention import decode_attention
 
-        attention = torch.zeros_like(scores)
-        output = decode_attention(query[:, :, 0], keys, values, held, attention, scaling).unsqueeze(2)
+        output = decode_attention(query[:, :, 0], keys, values, held, attention, scaling)
     else:
-        logits = _logits(query, keys, scaling).masked_fill(~held.view(*held.shape[:2], 1, 1, -1), -torch.inf)
-        probs = torch.softmax(logits, dim=-1)
-        attention = probs.sum(dim=(2, 3))
-        output = _weighted_values(probs, values).to(query.dtype)
+        output = decode_attention_reference(query[:, :, 0], keys, values, held, attention, scaling)
     if rule is ScoreRule.ACCUMULATE:
         scores += attention
     elif rule is ScoreRule.CURRENT:
         scores.copy_(torch.where(held, attention, scores))
-    return output
+    return output.unsqueeze(2)

@@ -13,6 +13,7 @@ token is always held.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import ClassVar
@@ -20,10 +21,9 @@ from typing import ClassVar
 from h2o_eval.errors import ConfigError
 
 PROTOCOLS = ("simulate", "prefill")
-# Implementations of the mechanism: auto (the compiled CPU scan; Triton for decode steps on CUDA), torch (the
-# plain reference loop), triton (the Triton kernels; so far the decode step of EvictionCache).
+# Implementations of the mechanism: auto (Triton kernels on CUDA, the numba-compiled scan elsewhere), torch (the
+# plain reference loop), triton (the Triton kernels, forced).
 KERNELS = ("auto", "torch", "triton")
-TRITON_DECODE_ONLY = "kernels=triton so far covers EvictionCache's decode steps: use kernels=auto or torch here"
 
 
 class ScoreRule(str, Enum):
@@ -210,3 +210,12 @@ def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:
         raise ConfigError(f"policy {policy.name!r} exists only in the simulate protocol: use protocol=simulate")
     if kernels not in KERNELS:
         raise ConfigError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
+
+
+def check_kernels(kernels: str, device_type: str) -> None:
+    """Refuse ``kernels=triton`` where Triton cannot run: it needs CUDA, or its interpreter for tests."""
+    if kernels == "triton" and device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(
+            f"kernels=triton needs a CUDA device, not {device_type}: use kernels=auto (TRITON_INTERPRET=1 runs "
+            "the kernels in Triton's interpreter, for tests)"
+        )

@@ -13,7 +13,7 @@ from typing import Any
 
 from h2o_eval import generation, harness, results, tracking
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import TRITON_DECODE_ONLY, Policy, check_protocol, make_policy
+from h2o_eval.policies import Policy, check_kernels, check_protocol, make_policy
 
 DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill"}
 WANDB_MODES = ("offline", "online", "disabled")
@@ -46,8 +46,10 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if generating and policy.simulate_only:
         raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
     check_protocol(policy, protocol, config["kernels"])
-    if config["kernels"] == "triton" and not generating:
-        raise ConfigError(TRITON_DECODE_ONLY)
+    if config["kernels"] == "triton":
+        from h2o_eval.models import resolve_device
+
+        check_kernels("triton", resolve_device(config["device"]).type)
     if config["wandb"]["mode"] not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
     for key in ("max_new_tokens", "max_words"):

@@ -15,6 +15,10 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from h2o_eval.eviction import Chunk, random_scores  # noqa: E402
+from h2o_eval.policies import ScoreRule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("H2O_EVAL_DATA", REPO.parent / "shared" / "data"))
@@ -39,3 +43,42 @@ def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
     with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=args)
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=0, dim=16, dtype=torch.float32):
+    """Random q/k/v and a Chunk: ``state`` held slots with random scores, ``n`` new tokens (``padding``: none,
+    left on the first sequence, right on the last), capacities, recent windows and sinks varying by sequence,
+    the first ``prefill`` rows prefill rows."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = state + n
+    query = torch.randn(batch, q_heads, n, dim, generator=gen).to(dtype)
+    key = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype)
+    value = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype)
+    arriving = torch.ones(batch, n, dtype=torch.bool)
+    if padding == "left" and n > 2:
+        arriving[0, :2] = False
+    elif padding == "right" and n > 2:
+        arriving[-1, -3:] = False
+    new_position = state + arriving.cumsum(-1) - 1
+    position = torch.cat([torch.arange(state).expand(batch, state), new_position.clamp(min=0)], -1)
+    position = position.unsqueeze(1).expand(batch, kv_heads, slots).contiguous()
+    if rule is ScoreRule.RANDOM:
+        scores = random_scores(7, 3, position)
+    else:
+        scores = torch.cat([torch.rand(batch, kv_heads, state, generator=gen), torch.zeros(batch, kv_heads, n)], -1)
+    held = torch.zeros(batch, kv_heads, slots, dtype=torch.bool)
+    held[..., :state] = True
+    capacity = torch.tensor([max(state, 3) + b for b in range(batch)])
+    chunk = Chunk(
+        held=held,
+        arriving=arriving,
+        position=position,
+        scores=scores,
+        capacity=capacity,
+        recent=torch.tensor([1 + b % 2 for b in range(batch)]),
+        sinks=torch.tensor([b % 2 for b in range(batch)]),
+        prefill=torch.full((batch,), prefill if prefill < 0 else min(prefill, n)).clamp(min=0),
+        rule=rule,
+        scaling=dim**-0.5,
+    )
+    return query, key, value, chunk

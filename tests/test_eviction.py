@@ -6,48 +6,11 @@ import itertools
 
 import pytest
 import torch
+from conftest import make_chunk
 
 from h2o_eval.backend import reference_keep_mask
-from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, random_scores
+from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference
 from h2o_eval.policies import ScoreRule
-
-
-def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    dim = 16
-    slots = state + n
-    query = torch.randn(batch, q_heads, n, dim, generator=gen)
-    key = torch.randn(batch, kv_heads, slots, dim, generator=gen)
-    value = torch.randn(batch, kv_heads, slots, dim, generator=gen)
-    arriving = torch.ones(batch, n, dtype=torch.bool)
-    if padding == "left" and n > 2:
-        arriving[0, :2] = False
-    elif padding == "right" and n > 2:
-        arriving[-1, -3:] = False
-    new_position = state + arriving.cumsum(-1) - 1
-    position = torch.cat([torch.arange(state).expand(batch, state), new_position.clamp(min=0)], -1)
-    position = position.unsqueeze(1).expand(batch, kv_heads, slots).contiguous()
-    if rule is ScoreRule.RANDOM:
-        scores = random_scores(7, 3, position)
-    else:
-        scores = torch.cat([torch.rand(batch, kv_heads, state, generator=gen), torch.zeros(batch, kv_heads, n)], -1)
-    held = torch.zeros(batch, kv_heads, slots, dtype=torch.bool)
-    held[..., :state] = True
-    capacity = torch.tensor([max(state, 3) + b for b in range(batch)])
-    chunk = Chunk(
-        held=held,
-        arriving=arriving,
-        position=position,
-        scores=scores,
-        capacity=capacity,
-        recent=torch.tensor([1 + b % 2 for b in range(batch)]),
-        sinks=torch.tensor([b % 2 for b in range(batch)]),
-        prefill=torch.full((batch,), prefill if prefill < 0 else min(prefill, n)).clamp(min=0),
-        rule=rule,
-        scaling=dim**-0.5,
-    )
-    return query, key, value, chunk
-
 
 GRID = list(
     itertools.product(

@@ -6,10 +6,94 @@ import itertools
 
 import pytest
 import torch
+from conftest import make_chunk
+from h2o_eval.kernels.column_scores import column_scores
 from h2o_eval.kernels.decode_attention import decode_attention
-from h2o_eval.kernels.reference import decode_attention_reference
+from h2o_eval.kernels.eviction_scan import eviction_scan
+from h2o_eval.kernels.reference import column_scores_reference, decode_attention_reference
+
+from h2o_eval.eviction import _RULE_CODE, _compress_rows, attend_chunk_reference
+from h2o_eval.policies import ScoreRule
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+HEADS = [(4, 4), (6, 2), (8, 2)]  # (query heads, KV heads): GQA ratios 1, 3, 4
+
+
+@pytest.mark.parametrize(
+    ("batch", "heads", "length", "dim", "dtype"),
+    list(itertools.product([1, 2], HEADS, [1, 17, 64, 65], [64], [torch.float32]))
+    + [(2, (6, 2), 130, 128, torch.float32), (2, (8, 2), 65, 64, torch.float16), (2, (6, 2), 33, 128, torch.bfloat16)],
+)
+@pytest.mark.parametrize("rows", ["all", "last"])
+def test_column_scores_kernel_equals_reference(batch, heads, length, dim, dtype, rows):
+    """Reference: column_scores_reference (PyTorch, blocks of rows); implementation: the two-pass Triton kernel,
+    64-row and 64-key tiles, so 17, 65 and 130 tokens end inside a tile. The first sequence is left-padded, the
+    second right-padded; rows are weighted all (H2O's column sums) or last only (TOVA)."""
+    q_heads, kv_heads = heads
+    gen = torch.Generator().manual_seed(length * 3 + dim)
+    query = torch.randn(batch, q_heads, length, dim, generator=gen).to(dtype)
+    key = torch.randn(batch, kv_heads, length, dim, generator=gen).to(dtype)
+    value = torch.randn(batch, kv_heads, length, dim, generator=gen).to(dtype)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, : min(3, length - 1)] = False
+    if batch > 1 and length > 4:
+        valid[1, -4:] = False
+    last = (valid.cumsum(-1) == valid.sum(-1, keepdim=True)) & valid
+    weights = (valid if rows == "all" else last).float()
+    expected, expected_columns = column_scores_reference(query, key, value, valid, weights, dim**-0.5)
+    got, columns = column_scores(query, key, value, valid, weights, dim**-0.5)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(columns, expected_columns, rtol=1e-4, atol=1e-4)
+    assert expected_columns.sum() > 0
+
+
+SCAN_GRID = [
+    # batch, heads, new tokens, state slots, prefill rows, padding, head dim, dtype
+    (2, (4, 4), 17, 0, 0, "left", 64, torch.float32),
+    (1, (6, 2), 9, 5, 0, "none", 64, torch.float32),
+    (2, (8, 2), 13, 0, 4, "right", 64, torch.float32),
+    (1, (6, 2), 11, 0, 99, "right", 64, torch.float32),
+    (1, (8, 2), 1, 6, 0, "none", 128, torch.float32),
+    (1, (6, 2), 15, 3, 0, "none", 128, torch.float16),
+    (1, (8, 2), 15, 0, 0, "none", 64, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("batch", "heads", "n", "state", "prefill", "padding", "dim", "dtype"), SCAN_GRID)
+@pytest.mark.parametrize("rule", list(ScoreRule))
+def test_eviction_scan_kernel_equals_reference(batch, heads, n, state, prefill, padding, dim, dtype, rule):
+    """Reference: attend_chunk_reference (the mechanism's definition, a torch loop over rows); implementation:
+    the Triton scan (one program per sequence and KV head). Capacities of 3-4 slots force an eviction on
+    nearly every row; 64-slot blocks hold every slot here, the decode test above covers the block edges."""
+    query, key, value, chunk = make_chunk(batch, *heads, n, state, rule, prefill, padding, dim=dim, dtype=dtype)
+    out_ref, held_ref, scores_ref = attend_chunk_reference(query, key, value, chunk)
+    out, held, scores = eviction_scan(
+        query, key, value, chunk.held, chunk.arriving, chunk.position, chunk.scores, chunk.capacity,
+        chunk.recent, chunk.sinks, chunk.prefill, _compress_rows(chunk, n), _RULE_CODE[rule], chunk.scaling,
+    )  # fmt: skip
+    assert torch.equal(held, held_ref)
+    rows = chunk.arriving.view(batch, 1, n, 1).expand_as(out)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out[rows].float(), out_ref[rows].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(scores[held], scores_ref[held], rtol=1e-5, atol=1e-5)
+    assert (held.sum(-1) <= torch.maximum(chunk.capacity.view(-1, 1), torch.tensor(state))).all()
+
+
+def test_eviction_scan_kernel_crosses_slot_blocks():
+    """Reference: attend_chunk_reference; implementation: the Triton scan with 16-slot blocks over 37 slots, so
+    the victim search, the softmax and the score update each span three blocks, the last one partial."""
+    query, key, value, chunk = make_chunk(2, 6, 2, 30, 7, ScoreRule.ACCUMULATE, 0, "left", dim=64)
+    chunk.capacity = torch.tensor([20, 9])
+    out_ref, held_ref, scores_ref = attend_chunk_reference(query, key, value, chunk)
+    out, held, scores = eviction_scan(
+        query, key, value, chunk.held, chunk.arriving, chunk.position, chunk.scores, chunk.capacity,
+        chunk.recent, chunk.sinks, chunk.prefill, _compress_rows(chunk, 30), 0, chunk.scaling, block_slots=16,
+    )  # fmt: skip
+    assert torch.equal(held, held_ref)
+    rows = chunk.arriving.view(2, 1, 30, 1).expand_as(out)
+    torch.testing.assert_close(out[rows], out_ref[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores[held], scores_ref[held], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -55,16 +139,64 @@ def test_eviction_cache_decodes_the_same_with_the_triton_kernel(name):
     assert (logits["torch"] - logits["triton"]).abs().max() <= 1e-4
 
 
-def test_forcing_triton_where_it_cannot_run_is_refused(monkeypatch):
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming"])
+def test_simulate_equals_token_by_token_with_triton_kernels(name):
+    """Reference: EvictionCache fed one token at a time with kernels=triton (the decode kernel); implementation:
+    patch(simulate, kernels=triton), one forward (the scan kernel in every layer). Two sequences of 20 tokens at
+    a budget of 5 tokens: 15 evictions per KV head and layer."""
+    from h2o_eval import EvictionCache, load_model, make_policy, patch
+
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(100, 40000, (2, 20), generator=torch.Generator().manual_seed(3))
+    policy = make_policy(name, budget=5)
+    with torch.no_grad(), patch(model, policy, kernels="triton"):
+        simulated = model(ids).logits
+    cache = EvictionCache(model, policy, kernels="triton")
+    with torch.no_grad():
+        stepped = torch.cat(
+            [model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(20)], dim=1
+        )
+        plain = model(ids).logits
+    assert (simulated - stepped).abs().max() <= 1e-4
+    assert all(layer.keys.shape[2] == 5 for layer in cache.layers)
+    assert (simulated - plain).abs().max() > 1e-2, "eviction changed nothing: the test proves nothing"
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova"])
+def test_prefill_protocol_with_triton_kernels_equals_the_torch_reference(name):
+    """Reference: patch(prefill, kernels=torch), the plain loop; implementation: patch(prefill, kernels=triton):
+    the 24-token context's scores from the column-score kernel, the 12-token continuation through the scan
+    kernel with one eviction per token (budget 0.25 of the context: C = 6)."""
+    from h2o_eval import load_model, make_policy, patch
+
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(100, 40000, (1, 36), generator=torch.Generator().manual_seed(4))
+    policy = make_policy(name, budget=0.25)
+    logits = {}
+    for kernels in ("torch", "triton"):
+        with torch.no_grad(), patch(model, policy, protocol="prefill", kernels=kernels) as session:
+            session.context_lengths = [24]
+            logits[kernels] = model(ids).logits
+    assert (logits["torch"] - logits["triton"]).abs().max() <= 1e-4
+    with torch.no_grad():
+        assert (logits["torch"][:, 24:] - model(ids).logits[:, 24:]).abs().max() > 1e-2
+
+
+def test_forcing_triton_where_it_cannot_run_is_refused(monkeypatch, tmp_path):
+    from conftest import make_config
+
     from h2o_eval import EvictionCache, load_model, make_policy, patch
     from h2o_eval.errors import ConfigError
+    from h2o_eval.run import validate
 
     model, _ = load_model("tiny-llama", device="cpu")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ConfigError, match="kernels=triton needs a CUDA device, not cpu"):
         EvictionCache(model, make_policy("h2o", budget=8), kernels="triton")
     with (
-        pytest.raises(ConfigError, match="kernels=triton so far covers EvictionCache's decode steps"),
+        pytest.raises(ConfigError, match="kernels=triton needs a CUDA device, not cpu"),
         patch(model, make_policy("h2o"), kernels="triton"),
     ):
         pass
+    with pytest.raises(ConfigError, match="kernels=triton needs a CUDA device, not cpu"):
+        validate(make_config(None, tmp_path, kernels="triton", device="cpu"))

@@ -1,0 +1,180 @@
+"""Chunked eviction attention: the per-row scan of the simulate and prefill protocols in one kernel.
+
+One program per (sequence, KV head) walks the chunk's rows in order, as a cache fed token by token would:
+evict the lowest-scored unprotected slot if the cache is full (ties: the smallest position), admit the row's
+token, attend the group's G queries over the held slots (online softmax), add the probabilities into the scores
+(or replace them), and after the last prefill row compress the cache to its capacity. Held flags and scores stay
+with the program across rows (a per-program slice of global memory that lives in L1/L2); nothing of size
+rows x slots is ever materialised, where the PyTorch paths build the full logits first.
+
+The reference is the mechanism's own definition, :func:`h2o_eval.eviction.attend_chunk_reference`; the
+arguments are the fields of its :class:`~h2o_eval.eviction.Chunk`. Shapes: query [B, Hq, n, D]; key, value
+[B, Hkv, N, D] (N = S state slots + n new); held [B, Hkv, N] bool; arriving [B, n] bool; position [B, Hkv, N]
+int64; scores [B, Hkv, N] float32; capacity, recent, sinks, prefill, compress_at [B] int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from h2o_eval.kernels.decode_attention import attend_group, group_block, update_scores
+
+ACCUMULATE = tl.constexpr(0)  # the score rules that read the attention: 0 adds it, 1 replaces; others ignore it
+CURRENT = tl.constexpr(1)
+_NONE = tl.constexpr(2**62)
+
+
+@triton.jit
+def _victim(held_base, scores_base, pos_base, slots, now, recent, sinks, BLOCK_S: tl.constexpr):
+    """The held slot outside the protected ones (the ``recent`` newest, the first ``sinks``) with the lowest
+    score, the smallest position among equal scores; -1 if there is none."""
+    best_score = tl.full([], float("inf"), tl.float32)
+    best_pos = tl.full([], _NONE, tl.int64)
+    best_slot = tl.full([], -1, tl.int64)
+    for start in range(0, slots, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        s_ok = s < slots
+        pos = tl.load(pos_base + s, mask=s_ok, other=0)
+        is_held = tl.load(held_base + s, mask=s_ok, other=0) != 0
+        candidate = is_held & (pos <= now - recent) & (pos >= sinks)
+        score = tl.where(candidate, tl.load(scores_base + s, mask=s_ok, other=0.0), float("inf"))
+        low = tl.min(score, axis=0)
+        tied = candidate & (score == low)
+        low_pos = tl.min(tl.where(tied, pos, _NONE), axis=0)
+        low_slot = tl.min(tl.where(tied & (pos == low_pos), s.to(tl.int64), _NONE), axis=0)
+        better = (low < best_score) | ((low == best_score) & (low_pos < best_pos))
+        best_score = tl.where(better, low, best_score)
+        best_pos = tl.where(better, low_pos, best_pos)
+        best_slot = tl.where(better, low_slot, best_slot)
+    return best_slot
+
+
+@triton.jit
+def _eviction_scan_kernel(
+    q_ptr, k_ptr, v_ptr, held_ptr, arriving_ptr, pos_ptr, scores_ptr, out_ptr, stuck_ptr,
+    capacity_ptr, recent_ptr, sinks_ptr, prefill_ptr, compress_ptr,
+    n, slots, scaling,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_hb, stride_hh,
+    stride_ab,
+    stride_pb, stride_ph,
+    stride_sb, stride_sh,
+    stride_ob, stride_oh, stride_ot,
+    kv_heads: tl.constexpr, group: tl.constexpr, dim: tl.constexpr, RULE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0) // kv_heads
+    h = tl.program_id(0) % kv_heads
+    k_base = k_ptr + b * stride_kb + h * stride_kh
+    v_base = v_ptr + b * stride_vb + h * stride_vh
+    held_base = held_ptr + b * stride_hb + h * stride_hh
+    pos_base = pos_ptr + b * stride_pb + h * stride_ph
+    scores_base = scores_ptr + b * stride_sb + h * stride_sh
+    capacity = tl.load(capacity_ptr + b)
+    recent = tl.load(recent_ptr + b)
+    sinks = tl.load(sinks_ptr + b)
+    prefill = tl.load(prefill_ptr + b)
+    compress_at = tl.load(compress_ptr + b)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < group
+    d = tl.arange(0, dim)
+    state = slots - n
+    count = tl.zeros([], tl.int64)
+    for start in range(0, slots, BLOCK_S):
+        s = start + tl.arange(0, BLOCK_S)
+        count += tl.sum((tl.load(held_base + s, mask=s < slots, other=0) != 0).to(tl.int64), axis=0)
+    stuck = tl.zeros([], tl.int32)
+    for r in range(n):
+        slot = state + r
+        out_base = out_ptr + b * stride_ob + h * group * stride_oh + r * stride_ot
+        if tl.load(arriving_ptr + b * stride_ab + r) != 0:
+            now = tl.load(pos_base + slot)
+            if (r >= prefill) & (count >= capacity):
+                victim = _victim(held_base, scores_base, pos_base, slot, now, recent, sinks, BLOCK_S)
+                if victim >= 0:
+                    tl.store(held_base + victim, 0)
+                    count -= 1
+                else:
+                    stuck = 1
+            tl.store(held_base + slot, 1)
+            count += 1
+            tl.debug_barrier()
+            q_ptrs = q_ptr + b * stride_qb + (h * group + g)[:, None] * stride_qh + r * stride_qt + d[None, :]
+            q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            top, total = attend_group(
+                q, k_base, v_base, held_base, out_base,
+                stride_ks, stride_vs, stride_oh, slot + 1, scaling, g_ok, dim, BLOCK_S,
+            )  # fmt: skip
+            if RULE <= CURRENT:
+                update_scores(
+                    q, k_base, held_base, scores_base,
+                    stride_ks, slot + 1, scaling, top, total, g_ok, RULE == CURRENT, dim, BLOCK_S,
+                )  # fmt: skip
+                tl.debug_barrier()
+            if r == compress_at:
+                while (count > capacity) & (stuck == 0):
+                    victim = _victim(held_base, scores_base, pos_base, slot + 1, now, recent, sinks, BLOCK_S)
+                    if victim >= 0:
+                        tl.store(held_base + victim, 0)
+                        count -= 1
+                    else:
+                        stuck = 1
+                    tl.debug_barrier()
+        else:  # padding: never enters; its (unused) output is its own value, as if it attended to itself
+            own = tl.load(v_base + slot * stride_vs + d).to(tl.float32)[None, :] + tl.zeros((BLOCK_G, dim), tl.float32)
+            tl.store(out_base + g[:, None] * stride_oh + d[None, :], own, mask=g_ok[:, None])
+    tl.store(stuck_ptr + b * kv_heads + h, stuck)
+
+
+def eviction_scan(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    held: torch.Tensor,
+    arriving: torch.Tensor,
+    position: torch.Tensor,
+    scores: torch.Tensor,
+    capacity: torch.Tensor,
+    recent: torch.Tensor,
+    sinks: torch.Tensor,
+    prefill: torch.Tensor,
+    compress_at: torch.Tensor,
+    rule: int,
+    scaling: float,
+    block_slots: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the scan; returns (output [B, Hq, n, D] in the query's dtype, held, scores) like the reference.
+
+    ``rule``: ACCUMULATE or CURRENT read the attention into the scores; any other value leaves them as given.
+    """
+    batch, q_heads, n, dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    held = held.to(torch.int8).contiguous()
+    arriving = arriving.to(torch.int8).contiguous()
+    position = position.to(torch.int64).contiguous()
+    scores = scores.float().clone().contiguous()
+    output = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    stuck = torch.zeros(batch, kv_heads, dtype=torch.int32, device=query.device)
+    plan = [x.to(device=query.device, dtype=torch.int64).contiguous() for x in (capacity, recent, sinks, prefill)]
+    _eviction_scan_kernel[(batch * kv_heads,)](
+        query, key, value, held, arriving, position, scores, output, stuck,
+        *plan, compress_at.to(device=query.device, dtype=torch.int64).contiguous(),
+        n, slots, scaling,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        held.stride(0), held.stride(1),
+        arriving.stride(0),
+        position.stride(0), position.stride(1),
+        scores.stride(0), scores.stride(1),
+        output.stride(0), output.stride(1), output.stride(2),
+        kv_heads=kv_heads, group=group, dim=dim, RULE=rule, BLOCK_G=group_block(group), BLOCK_S=block_slots,
+    )  # fmt: skip
+    if bool(stuck.any()):
+        raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
+    return output.to(query.dtype), held.bool(), scores
