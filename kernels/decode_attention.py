@@ -18,30 +18,42 @@ import triton.language as tl
 
 
 @triton.jit
-def _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Logits [BLOCK_G, BLOCK_S] of the group's queries against one block of slots (-inf where not held)."""
-    s = start + tl.arange(0, BLOCK_S)
-    s_ok = s < slots
-    is_held = tl.load(held_base + s, mask=s_ok, other=0) != 0
-    k = tl.load(k_base + s[:, None] * stride_ks + tl.arange(0, dim)[None, :], mask=s_ok[:, None], other=0.0)
+def slot_block(start, count, list_base, held_base, BLOCK_S: tl.constexpr, LISTED: tl.constexpr):
+    """One block of slots to visit: (slot indices, which of them count). ``LISTED``: entries start.. of a compact
+    list of the held slots (``count`` long); otherwise slots start.. below ``count`` that are held."""
+    j = start + tl.arange(0, BLOCK_S)
+    if LISTED:
+        ok = j < count
+        s = tl.load(list_base + j, mask=ok, other=0)
+    else:
+        ok = (j < count) & (tl.load(held_base + j, mask=j < count, other=0) != 0)
+        s = j
+    return s, ok
+
+
+@triton.jit
+def _block_logits(q, k_base, s, ok, stride_ks, scaling, dim: tl.constexpr):
+    """Logits [BLOCK_G, BLOCK_S] of the group's queries against the slots ``s`` (-inf where not ``ok``)."""
+    k = tl.load(k_base + s[:, None] * stride_ks + tl.arange(0, dim)[None, :], mask=ok[:, None], other=0.0)
     logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scaling
-    return tl.where(is_held[None, :], logits, float("-inf")), s, s_ok, is_held
+    return tl.where(ok[None, :], logits, float("-inf"))
 
 
 @triton.jit
 def attend_group(
-    q, k_base, v_base, held_base, out_base, stride_ks, stride_vs, stride_oh, slots, scaling, g_ok,
-    dim: tl.constexpr, BLOCK_S: tl.constexpr,
+    q, k_base, v_base, held_base, list_base, out_base, stride_ks, stride_vs, stride_oh, count, scaling, g_ok,
+    dim: tl.constexpr, BLOCK_S: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax of the group's queries q [BLOCK_G, dim] over the held slots < ``slots``; stores the
-    output rows (stride ``stride_oh`` between query heads) and returns the row max and normaliser."""
+    """Online softmax of the group's queries q [BLOCK_G, dim] over the held slots (see :func:`slot_block`);
+    stores the output rows (stride ``stride_oh`` between query heads), returns the row max and normaliser."""
     d = tl.arange(0, dim)
     top = tl.full((q.shape[0],), float("-inf"), tl.float32)
     total = tl.zeros((q.shape[0],), tl.float32)
     acc = tl.zeros((q.shape[0], dim), tl.float32)
-    for start in range(0, slots, BLOCK_S):
-        logits, s, s_ok, _ = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
-        v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=s_ok[:, None], other=0.0).to(tl.float32)
+    for start in range(0, count, BLOCK_S):
+        s, ok = slot_block(start, count, list_base, held_base, BLOCK_S, LISTED)
+        logits = _block_logits(q, k_base, s, ok, stride_ks, scaling, dim)
+        v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         new_top = tl.maximum(top, tl.max(logits, axis=1))
         safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
         p = tl.exp(logits - safe_top[:, None])
@@ -57,20 +69,20 @@ def attend_group(
 
 @triton.jit
 def update_scores(
-    q, k_base, held_base, scores_base, stride_ks, slots, scaling, top, total, g_ok,
-    REPLACE: tl.constexpr, dim: tl.constexpr, BLOCK_S: tl.constexpr,
+    q, k_base, held_base, list_base, scores_base, stride_ks, count, scaling, top, total, g_ok,
+    REPLACE: tl.constexpr, dim: tl.constexpr, BLOCK_S: tl.constexpr, LISTED: tl.constexpr,
 ):  # fmt: skip
     """Each held slot's probability, summed over the group: added to its score, or (``REPLACE``) its new
     score. Slots not held keep theirs."""
-    for start in range(0, slots, BLOCK_S):
-        logits, s, s_ok, is_held = _block_logits(q, k_base, held_base, stride_ks, start, slots, scaling, dim, BLOCK_S)
+    for start in range(0, count, BLOCK_S):
+        s, ok = slot_block(start, count, list_base, held_base, BLOCK_S, LISTED)
+        logits = _block_logits(q, k_base, s, ok, stride_ks, scaling, dim)
         p = tl.where(g_ok[:, None], tl.exp(logits - top[:, None]) / total[:, None], 0.0)
         column = tl.sum(p, axis=0)
-        old = tl.load(scores_base + s, mask=s_ok, other=0.0)
         if REPLACE:
-            tl.store(scores_base + s, tl.where(is_held, column, old), mask=s_ok)
+            tl.store(scores_base + s, column, mask=ok)
         else:
-            tl.store(scores_base + s, old + column, mask=s_ok)
+            tl.store(scores_base + s, tl.load(scores_base + s, mask=ok, other=0.0) + column, mask=ok)
 
 
 @triton.jit
@@ -96,11 +108,14 @@ def _decode_attention_kernel(
     held_base = held_ptr + b * stride_hb + h * stride_hh
     out_base = out_ptr + b * stride_ob + h * group * stride_oh
     top, total = attend_group(
-        q, k_base, v_ptr + b * stride_vb + h * stride_vh, held_base, out_base,
-        stride_ks, stride_vs, stride_oh, slots, scaling, g_ok, dim, BLOCK_S,
+        q, k_base, v_ptr + b * stride_vb + h * stride_vh, held_base, held_base, out_base,
+        stride_ks, stride_vs, stride_oh, slots, scaling, g_ok, dim, BLOCK_S, False,
     )  # fmt: skip
     scores_base = scores_ptr + b * stride_sb + h * stride_sh
-    update_scores(q, k_base, held_base, scores_base, stride_ks, slots, scaling, top, total, g_ok, False, dim, BLOCK_S)
+    update_scores(
+        q, k_base, held_base, held_base, scores_base,
+        stride_ks, slots, scaling, top, total, g_ok, False, dim, BLOCK_S, False,
+    )  # fmt: skip
 
 
 def group_block(group: int) -> int:

@@ -4,8 +4,9 @@ One program per (sequence, KV head) walks the chunk's rows in order, as a cache 
 evict the lowest-scored unprotected slot if the cache is full (ties: the smallest position), admit the row's
 token, attend the group's G queries over the held slots (online softmax), add the probabilities into the scores
 (or replace them), and after the last prefill row compress the cache to its capacity. Held flags and scores stay
-with the program across rows (a per-program slice of global memory that lives in L1/L2); nothing of size
-rows x slots is ever materialised, where the PyTorch paths build the full logits first.
+with the program across rows (a per-program slice of global memory that lives in L1/L2), with a compact list of
+the held slots, so a row costs O(capacity), not O(slots); nothing of size rows x slots is ever materialised,
+where the PyTorch paths build the full logits first.
 
 The reference is the mechanism's own definition, :func:`h2o_eval.eviction.attend_chunk_reference`; the
 arguments are the fields of its :class:`~h2o_eval.eviction.Chunk`. Shapes: query [B, Hq, n, D]; key, value
@@ -26,33 +27,33 @@ _NONE = tl.constexpr(2**62)
 
 
 @triton.jit
-def _victim(held_base, scores_base, pos_base, slots, now, recent, sinks, BLOCK_S: tl.constexpr):
-    """The held slot outside the protected ones (the ``recent`` newest, the first ``sinks``) with the lowest
-    score, the smallest position among equal scores; -1 if there is none."""
+def _victim(list_base, scores_base, pos_base, count, now, recent, sinks, BLOCK_S: tl.constexpr):
+    """Index in the held list of the slot outside the protected ones (the ``recent`` newest, the first
+    ``sinks``) with the lowest score, the smallest position among equal scores; -1 if there is none."""
     best_score = tl.full([], float("inf"), tl.float32)
     best_pos = tl.full([], _NONE, tl.int64)
-    best_slot = tl.full([], -1, tl.int64)
-    for start in range(0, slots, BLOCK_S):
-        s = start + tl.arange(0, BLOCK_S)
-        s_ok = s < slots
-        pos = tl.load(pos_base + s, mask=s_ok, other=0)
-        is_held = tl.load(held_base + s, mask=s_ok, other=0) != 0
-        candidate = is_held & (pos <= now - recent) & (pos >= sinks)
-        score = tl.where(candidate, tl.load(scores_base + s, mask=s_ok, other=0.0), float("inf"))
+    best = tl.full([], -1, tl.int64)
+    for start in range(0, count, BLOCK_S):
+        j = start + tl.arange(0, BLOCK_S)
+        ok = j < count
+        s = tl.load(list_base + j, mask=ok, other=0)
+        pos = tl.load(pos_base + s, mask=ok, other=0)
+        candidate = ok & (pos <= now - recent) & (pos >= sinks)
+        score = tl.where(candidate, tl.load(scores_base + s, mask=ok, other=0.0), float("inf"))
         low = tl.min(score, axis=0)
         tied = candidate & (score == low)
         low_pos = tl.min(tl.where(tied, pos, _NONE), axis=0)
-        low_slot = tl.min(tl.where(tied & (pos == low_pos), s.to(tl.int64), _NONE), axis=0)
+        low_j = tl.min(tl.where(tied & (pos == low_pos), j.to(tl.int64), _NONE), axis=0)
         better = (low < best_score) | ((low == best_score) & (low_pos < best_pos))
         best_score = tl.where(better, low, best_score)
         best_pos = tl.where(better, low_pos, best_pos)
-        best_slot = tl.where(better, low_slot, best_slot)
-    return best_slot
+        best = tl.where(better, low_j, best)
+    return best
 
 
 @triton.jit
 def _eviction_scan_kernel(
-    q_ptr, k_ptr, v_ptr, held_ptr, arriving_ptr, pos_ptr, scores_ptr, out_ptr, stuck_ptr,
+    q_ptr, k_ptr, v_ptr, held_ptr, list_ptr, arriving_ptr, pos_ptr, scores_ptr, out_ptr, stuck_ptr,
     capacity_ptr, recent_ptr, sinks_ptr, prefill_ptr, compress_ptr,
     n, slots, scaling,
     stride_qb, stride_qh, stride_qt,
@@ -71,6 +72,7 @@ def _eviction_scan_kernel(
     k_base = k_ptr + b * stride_kb + h * stride_kh
     v_base = v_ptr + b * stride_vb + h * stride_vh
     held_base = held_ptr + b * stride_hb + h * stride_hh
+    list_base = list_ptr + b * stride_hb + h * stride_hh  # held slots first (compact); same layout as held
     pos_base = pos_ptr + b * stride_pb + h * stride_ph
     scores_base = scores_ptr + b * stride_sb + h * stride_sh
     capacity = tl.load(capacity_ptr + b)
@@ -92,33 +94,37 @@ def _eviction_scan_kernel(
         out_base = out_ptr + b * stride_ob + h * group * stride_oh + r * stride_ot
         if tl.load(arriving_ptr + b * stride_ab + r) != 0:
             now = tl.load(pos_base + slot)
+            entry = count  # where the new token goes in the held list: the end, or the victim's place
             if (r >= prefill) & (count >= capacity):
-                victim = _victim(held_base, scores_base, pos_base, slot, now, recent, sinks, BLOCK_S)
+                victim = _victim(list_base, scores_base, pos_base, count, now, recent, sinks, BLOCK_S)
                 if victim >= 0:
-                    tl.store(held_base + victim, 0)
+                    tl.store(held_base + tl.load(list_base + victim), 0)
+                    entry = victim
                     count -= 1
                 else:
                     stuck = 1
+            tl.store(list_base + entry, slot)
             tl.store(held_base + slot, 1)
             count += 1
             tl.debug_barrier()
             q_ptrs = q_ptr + b * stride_qb + (h * group + g)[:, None] * stride_qh + r * stride_qt + d[None, :]
             q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
             top, total = attend_group(
-                q, k_base, v_base, held_base, out_base,
-                stride_ks, stride_vs, stride_oh, slot + 1, scaling, g_ok, dim, BLOCK_S,
+                q, k_base, v_base, held_base, list_base, out_base,
+                stride_ks, stride_vs, stride_oh, count, scaling, g_ok, dim, BLOCK_S, True,
             )  # fmt: skip
             if RULE <= CURRENT:
                 update_scores(
-                    q, k_base, held_base, scores_base,
-                    stride_ks, slot + 1, scaling, top, total, g_ok, RULE == CURRENT, dim, BLOCK_S,
+                    q, k_base, held_base, list_base, scores_base,
+                    stride_ks, count, scaling, top, total, g_ok, RULE == CURRENT, dim, BLOCK_S, True,
                 )  # fmt: skip
                 tl.debug_barrier()
             if r == compress_at:
                 while (count > capacity) & (stuck == 0):
-                    victim = _victim(held_base, scores_base, pos_base, slot + 1, now, recent, sinks, BLOCK_S)
+                    victim = _victim(list_base, scores_base, pos_base, count, now, recent, sinks, BLOCK_S)
                     if victim >= 0:
-                        tl.store(held_base + victim, 0)
+                        tl.store(held_base + tl.load(list_base + victim), 0)
+                        tl.store(list_base + victim, tl.load(list_base + count - 1))
                         count -= 1
                     else:
                         stuck = 1
@@ -154,6 +160,7 @@ def eviction_scan(
     kv_heads, slots = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    held_list = torch.argsort((~held).to(torch.int8), dim=-1, stable=True).to(torch.int32).contiguous()
     held = held.to(torch.int8).contiguous()
     arriving = arriving.to(torch.int8).contiguous()
     position = position.to(torch.int64).contiguous()
@@ -162,7 +169,7 @@ def eviction_scan(
     stuck = torch.zeros(batch, kv_heads, dtype=torch.int32, device=query.device)
     plan = [x.to(device=query.device, dtype=torch.int64).contiguous() for x in (capacity, recent, sinks, prefill)]
     _eviction_scan_kernel[(batch * kv_heads,)](
-        query, key, value, held, arriving, position, scores, output, stuck,
+        query, key, value, held, held_list, arriving, position, scores, output, stuck,
         *plan, compress_at.to(device=query.device, dtype=torch.int64).contiguous(),
         n, slots, scaling,
         query.stride(0), query.stride(1), query.stride(2),

@@ -81,10 +81,11 @@ def test_eviction_scan_kernel_equals_reference(batch, heads, n, state, prefill, 
 
 
 def test_eviction_scan_kernel_crosses_slot_blocks():
-    """Reference: attend_chunk_reference; implementation: the Triton scan with 16-slot blocks over 37 slots, so
-    the victim search, the softmax and the score update each span three blocks, the last one partial."""
+    """Reference: attend_chunk_reference; implementation: the Triton scan with 16-slot blocks. The first
+    sequence holds up to 33 slots, so its victim search, softmax and score update span three blocks of the held
+    list, the last one partial; the second (capacity 9) evicts on most rows."""
     query, key, value, chunk = make_chunk(2, 6, 2, 30, 7, ScoreRule.ACCUMULATE, 0, "left", dim=64)
-    chunk.capacity = torch.tensor([20, 9])
+    chunk.capacity = torch.tensor([33, 9])
     out_ref, held_ref, scores_ref = attend_chunk_reference(query, key, value, chunk)
     out, held, scores = eviction_scan(
         query, key, value, chunk.held, chunk.arriving, chunk.position, chunk.scores, chunk.capacity,
