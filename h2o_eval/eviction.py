@@ -15,8 +15,9 @@ For each (sequence, KV head), row r of the chunk (token t = ``position`` of slot
 
 Padding tokens (``arriving`` False) never enter. Simulate = empty state + the whole sequence; prefill = all
 context rows as prefill rows; decode = chunks of one token. :func:`attend_chunk_reference` states this as a
-plain loop over rows; :func:`attend_chunk` is the fast path: one batched matmul for the logits, the sequential
-scan compiled with numba over (sequence, KV head), then one masked softmax for the outputs.
+plain loop over rows; :func:`attend_chunk` is the fast path: on the CPU one batched matmul for the logits, the
+sequential scan compiled with numba over (sequence, KV head), then one masked softmax for the outputs; on CUDA
+the Triton kernels of ``h2o_eval.kernels`` (:func:`attend_chunk_triton`).
 """
 
 from __future__ import annotations
