@@ -1,6 +1,6 @@
 """Accuracy (or ROUGE) against KV budget, from a results directory.
 
-    python -m h2o_eval.plot [results_dir] [--task copa ...] [--model smollm2-135m ...] [--out DIR]
+    python -m h2o_eval.plot [results_dir] [--task copa ...] [--model smollm2-135m ...] [--out DIR] [--at 0.2 ...]
 
 One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
 the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
@@ -74,6 +74,29 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
+    """A Markdown table with a row per (task, model) and a column per policy (and protocol) at ``budget``,
+    beside the full cache: the comparison a budget is chosen for. Values are ``value ± stderr``; a setting
+    that has no record is left empty."""
+    columns = sorted({(r["policy"], r["protocol"]) for r in rows if r["policy"] != "full" and r["budget"] == budget})
+    keys = sorted({(r["task"], r["model"]) for r in rows})
+    cell = {(r["task"], r["model"], r["policy"], r["protocol"]): r for r in rows if r["budget"] == budget}
+    full = {(r["task"], r["model"]): r for r in rows if r["policy"] == "full"}
+
+    def show(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return ""
+        return f"{r['value']:.3f}" + (f" ± {r['stderr']:.3f}" if r["stderr"] is not None else "")
+
+    header = ["task", "model", "metric", "n", "full", *(f"{p} ({protocol})" for p, protocol in columns)]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|" + "---:|" * (len(columns) + 1)]
+    for task, model in keys:
+        some = next(r for r in rows if (r["task"], r["model"]) == (task, model))
+        values = [show(full.get((task, model))), *(show(cell.get((task, model, *c))) for c in columns)]
+        lines.append(f"| {task} | {model} | {some['metric']} | {some['n_samples']} | " + " | ".join(values) + " |")
+    return f"Budget {budget:.0%} of the cache:\n\n" + "\n".join(lines) + "\n"
+
+
 def figure(rows: list[dict[str, Any]], task: str) -> Any:
     """The accuracy-vs-budget figure of one task (a matplotlib Figure)."""
     import matplotlib.pyplot as plt
@@ -112,8 +135,9 @@ def figure(rows: list[dict[str, Any]], task: str) -> Any:
     return fig
 
 
-def write(rows: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Figures (PNG, PDF) per task plus ``summary.csv`` and ``summary.md`` under ``out``; returns the files."""
+def write(rows: list[dict[str, Any]], out: Path, at: list[float] | None = None) -> list[Path]:
+    """Figures (PNG, PDF) per task plus ``summary.csv`` and ``summary.md`` under ``out``, and for each budget in
+    ``at`` the policies side by side in ``at_<budget>.md``; returns the files."""
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +153,11 @@ def write(rows: list[dict[str, Any]], out: Path) -> list[Path]:
         writer.writeheader()
         writer.writerows(rows)
     (out / "summary.md").write_text(markdown(rows))
-    return [*written, out / "summary.csv", out / "summary.md"]
+    written += [out / "summary.csv", out / "summary.md"]
+    for budget in at or []:
+        written.append(out / f"at_{budget:g}.md")
+        written[-1].write_text(side_by_side(rows, budget))
+    return written
 
 
 def log_to_wandb(rows: list[dict[str, Any]], files: list[Path], group: str, project: str, mode: str) -> None:
@@ -153,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", nargs="*", help="only these models")
     parser.add_argument("--metric", help="metric to plot (default: acc, rouge2 for summarisation)")
     parser.add_argument("--out", type=Path, help="output folder (default: <results_dir>/plots)")
+    parser.add_argument("--at", type=float, nargs="*", help="also tables of the policies side by side at these budgets")
     parser.add_argument("--wandb-group", help="also log the figures and table to W&B, in this group")
     parser.add_argument("--wandb-project", default="h2o_eval")
     parser.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
@@ -169,10 +198,12 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if not rows:
         parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")
-    files = write(rows, args.out or args.results_dir / "plots")
+    files = write(rows, args.out or args.results_dir / "plots", args.at)
     for path in files:
         print(path)
     print(markdown(rows))
+    for budget in args.at or []:
+        print(side_by_side(rows, budget))
     if args.wandb_group:
         log_to_wandb(rows, files, args.wandb_group, args.wandb_project, args.wandb_mode)
 

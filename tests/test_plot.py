@@ -51,6 +51,17 @@ def test_table_keeps_the_newest_record_per_setting_and_the_primary_metric(result
     assert len(rows) == 9
 
 
+def test_side_by_side_puts_each_policy_and_protocol_of_one_budget_beside_the_full_cache(results_dir, tmp_path):
+    rows = plot.table(results.load_records(results_dir))
+    lines = plot.side_by_side(rows, 0.2).splitlines()
+    assert lines[2] == "| task | model | metric | n | full | h2o (prefill) | h2o (simulate) | local (simulate) |"
+    assert "| copa | tiny-llama | acc | 10 | 0.700 ± 0.050 | 0.660 ± 0.050 | 0.650 ± 0.050 | 0.550 ± 0.050 |" in lines
+    assert "| xsum | tiny-llama | rouge2 | 10 |  |  | 0.040 ± 0.050 |  |" in lines  # no full-cache xsum record
+    plot.main([str(results_dir), "--out", str(tmp_path / "plots"), "--at", "0.1", "0.2"])
+    assert (tmp_path / "plots" / "at_0.2.md").read_text() == plot.side_by_side(rows, 0.2)
+    assert "0.600 ± 0.050" in (tmp_path / "plots" / "at_0.1.md").read_text()
+
+
 def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
     out = tmp_path / "plots"
     plot.main([str(results_dir), "--task", "copa", "--out", str(out)])
