@@ -227,7 +227,7 @@ def sparsity_figure(record: dict[str, Any]) -> Any:
         title=f"Attention sparsity: {record['model']} on {record['task']} ({record['num_fewshot']}-shot, "
         f"{record['n_sequences']} sequences of {record['tokens']['mean']:.0f} tokens)",
     )
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig

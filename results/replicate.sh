@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The replication on SmolLM2-135M with the local data: every command that produced results/replication/.
+# The replication on SmolLM2-135M with the local data: every command behind results/replication/ (see results/README.md).
 # Resumable: a setting whose record exists is skipped, so run it again after any interruption.
 #   bash results/replicate.sh [DATA_DIR] [RUNS_DIR]
 set -euo pipefail
@@ -23,3 +23,8 @@ sweep $mathqa policy=h2o,local budget=0.2 protocol=prefill
 # 4. the authors' simulation
 sweep $ll5 policy=h2o_reference budget=0.05,0.1,0.2,0.5
 sweep $mathqa policy=h2o_reference budget=0.05,0.1,0.2,0.5
+
+# 5. the published summary: tables and accuracy-vs-budget figures, and the section 3 observations
+python -m h2o_eval.plot "$runs" --out results/replication --at 0.2
+python -m h2o_eval.analyze --model smollm2-135m --task piqa --num-fewshot 5 --limit 30 --data-dir "$data" \
+    --out results/replication/observations
