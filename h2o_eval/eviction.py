@@ -28,7 +28,13 @@ import numba
 import numpy as np
 import torch
 
-from h2o_eval.kernels.reference import column_scores_reference, decode_attention_reference, visible
+from h2o_eval.kernels.reference import (
+    column_scores_reference,
+    decode_attention_reference,
+    grouped_logits,
+    grouped_values,
+    visible,
+)
 from h2o_eval.policies import ScoreRule
 
 _RULE_CODE = {ScoreRule.ACCUMULATE: 0, ScoreRule.CURRENT: 1, ScoreRule.RANDOM: 2, ScoreRule.NONE: 3}
@@ -67,22 +73,6 @@ def random_scores(seed: int, layer: int, position: torch.Tensor) -> torch.Tensor
     return (x & 0xFFFFFF).to(torch.float32) / float(1 << 24)
 
 
-def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """[B, Hkv, G, n, N] float32 attention logits."""
-    batch, q_heads, n, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * n, dim)  # no copy of K per group
-    logits = torch.matmul(grouped, key.float().transpose(-1, -2)) * scaling
-    return logits.view(batch, kv_heads, q_heads // kv_heads, n, -1)
-
-
-def _weighted_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """probs [B, Hkv, G, n, N] @ value [B, Hkv, N, D] -> [B, Hq, n, D] float32, without copying V per group."""
-    batch, kv_heads, group, n, slots = probs.shape
-    out = torch.matmul(probs.reshape(batch, kv_heads, group * n, slots), value.float())
-    return out.view(batch, kv_heads * group, n, -1)
-
-
 def _compress_rows(chunk: Chunk, n: int) -> torch.Tensor:
     """[B] the row after which each sequence's cache is compressed: its last real row among the prefill rows
     (-1: none)."""
@@ -106,7 +96,7 @@ def attend_chunk_reference(
     kv_heads, slots = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     state = slots - n
-    logits = _logits(query, key, chunk.scaling)
+    logits = grouped_logits(query, key, chunk.scaling)
     held = chunk.held.clone()
     scores = chunk.scores.clone().float()
     position = chunk.position
@@ -157,7 +147,7 @@ def attend_chunk(
     slots = key.shape[2]
     if _is_prompt(chunk, n, slots):
         return _prefill_chunk(query, key, value, chunk)
-    logits = _logits(query, key, chunk.scaling)
+    logits = grouped_logits(query, key, chunk.scaling)
     held = chunk.held.cpu().numpy().copy()
     scores = chunk.scores.detach().float().cpu().numpy().copy()
     enter = np.where(held, 0, n).astype(np.int64)
@@ -190,7 +180,7 @@ def attend_chunk(
     own_slot = torch.arange(slots, device=device).view(1, 1, 1, slots) == (slots - n + rows)
     visible = visible | (padding_rows & own_slot)
     probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), float("-inf")), dim=-1)
-    output = _weighted_values(probs, value)
+    output = grouped_values(probs, value)
     return (
         output.to(query.dtype),
         torch.from_numpy(held).to(device),

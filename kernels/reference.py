@@ -9,6 +9,23 @@ from __future__ import annotations
 import torch
 
 
+def grouped_logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query [B, Hq, n, D] against key [B, Hkv, N, D]: [B, Hkv, G, n, N] float32 logits, without copying K per
+    query head (query head h*G+g reads KV head h)."""
+    batch, q_heads, n, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * n, dim)
+    logits = torch.matmul(grouped, key.float().transpose(-1, -2)) * scaling
+    return logits.view(batch, kv_heads, q_heads // kv_heads, n, -1)
+
+
+def grouped_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """probs [B, Hkv, G, n, N] @ value [B, Hkv, N, D] -> [B, Hq, n, D] float32, without copying V per group."""
+    batch, kv_heads, group, n, slots = probs.shape
+    out = torch.matmul(probs.reshape(batch, kv_heads, group * n, slots), value.float())
+    return out.view(batch, kv_heads * group, n, -1)
+
+
 def visible(valid: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """[B, rows, cols] causal visibility: key j is seen from row i if j <= i and j is a real token; a padding
     row sees itself too, so every row's softmax is defined."""
@@ -34,21 +51,16 @@ def column_scores_reference(
     columns[b, h, j] = sum_i weights[b, i] * sum_g P[b, h*G+g, i, j]. Rows are processed ``block`` at a time,
     so the T x T matrix never exists whole.
     """
-    batch, q_heads, length, dim = query.shape
-    kv_heads = key.shape[1]
-    group = q_heads // kv_heads
-    keys = key.float().transpose(-1, -2)
+    length = query.shape[2]
     output = torch.empty_like(query)
-    columns = torch.zeros(batch, kv_heads, length, dtype=torch.float32, device=query.device)
+    columns = torch.zeros(key.shape[:3], dtype=torch.float32, device=query.device)
     cols = torch.arange(length, device=query.device)
     for start in range(0, length, block):
         stop = min(start + block, length)
-        grouped = query[:, :, start:stop].float().reshape(batch, kv_heads, group * (stop - start), dim)
-        logits = (torch.matmul(grouped, keys) * scaling).view(batch, kv_heads, group, stop - start, length)
+        logits = grouped_logits(query[:, :, start:stop], key, scaling)
         seen = visible(valid, cols[start:stop], cols)
         probs = torch.softmax(logits.masked_fill(~seen[:, None, None], -torch.inf), dim=-1)
-        out = torch.matmul(probs.view(batch, kv_heads, -1, length), value.float())
-        output[:, :, start:stop] = out.view(batch, q_heads, stop - start, dim).to(query.dtype)
+        output[:, :, start:stop] = grouped_values(probs, value).to(query.dtype)
         columns += torch.einsum("bhgrn,br->bhn", probs, weights[:, start:stop].float())
     return output, columns
 
@@ -66,10 +78,7 @@ def decode_attention_reference(
     Softmax over the held slots of each KV head for its G query heads; adds the probabilities, summed over
     the group, into ``scores`` [B, Hkv, S] float32. Returns the output [B, Hq, D] in the query's dtype.
     """
-    batch, q_heads, dim = query.shape
-    kv_heads = keys.shape[1]
-    grouped = query.float().view(batch, kv_heads, q_heads // kv_heads, dim)
-    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scaling
-    probs = torch.softmax(logits.masked_fill(~held.unsqueeze(2), -torch.inf), dim=-1)
-    scores += probs.sum(dim=2)
-    return torch.matmul(probs, values.float()).view(batch, q_heads, dim).to(query.dtype)
+    logits = grouped_logits(query.unsqueeze(2), keys, scaling)
+    probs = torch.softmax(logits.masked_fill(~held[:, :, None, None], -torch.inf), dim=-1)
+    scores += probs.sum(dim=(2, 3))
+    return grouped_values(probs, values).squeeze(2).to(query.dtype)
