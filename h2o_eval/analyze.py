@@ -24,12 +24,10 @@ import math
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from h2o_eval import harness
 from h2o_eval.errors import ConfigError
@@ -133,11 +131,7 @@ def share_key(share: float) -> str:
 
 def task_config(name: str) -> dict[str, Any]:
     """The ``conf/task/<name>.yaml`` entry of a log-likelihood task; other names fail listing the valid ones."""
-    configs = {
-        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
-        for entry in (resources.files("h2o_eval.conf") / "task").iterdir()
-        if entry.name.endswith(".yaml")
-    }
+    configs = harness.task_registry()
     valid = ", ".join(sorted(key for key, config in configs.items() if config["kind"] == "loglikelihood"))
     if name not in configs:
         raise ConfigError(f"unknown task {name!r}: use one of {valid}")
@@ -154,11 +148,8 @@ def request_texts(
     run is), each its context followed by the gold continuation exactly as lm-eval's own task builds them (for
     Winogrande-style tasks the gold one of the contexts). Few-shot contexts make the long texts the
     observations need: a zero-shot request is a few dozen tokens."""
-    from lm_eval.tasks import TaskManager
-
     with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / f"{task['name']}.yaml").write_text(yaml.safe_dump(harness.task_yaml(task, data_dir)))
-        manager = TaskManager(include_defaults=False, include_path=folder)
+        manager = harness.task_manager(task, data_dir, Path(folder))
         lm_task = manager.load(task["name"])["tasks"][task["name"]]
         lm_task.set_fewshot_seed(seed)
         docs = list(lm_task.eval_docs)[:limit]

@@ -8,6 +8,7 @@ Prompts, choices and metrics stay lm-eval's. Locally only the evaluated split ex
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,16 @@ from h2o_eval.errors import ConfigError
 
 if TYPE_CHECKING:
     from h2o_eval.backend import Session
+
+
+def task_registry() -> dict[str, dict[str, Any]]:
+    """Every task name mapped to its config (the contents of ``conf/task/<name>.yaml``), as the CLI sees it."""
+    folder = resources.files("h2o_eval.conf") / "task"
+    return {
+        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    }
 
 
 def lm_eval_tasks_dir() -> Path:
@@ -63,6 +74,16 @@ def task_yaml(task: dict[str, Any], data_dir: str | Path | None) -> dict[str, An
     return config
 
 
+def task_manager(task: dict[str, Any], data_dir: str | Path | None, task_dir: Path) -> Any:
+    """An lm-eval ``TaskManager`` that knows only ``task``: its one-task YAML (see :func:`task_yaml`) is
+    written to ``task_dir``, which is all the manager indexes."""
+    from lm_eval.tasks import TaskManager
+
+    task_dir.mkdir(parents=True, exist_ok=True)
+    (task_dir / f"{task['name']}.yaml").write_text(yaml.safe_dump(task_yaml(task, data_dir), sort_keys=False))
+    return TaskManager(include_path=str(task_dir), include_defaults=False)
+
+
 def evaluate(
     model: Any,
     tokenizer: Any,
@@ -81,12 +102,8 @@ def evaluate(
     Returns lm-eval's results dict (with ``n-samples``).
     """
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
-    task_dir = work_dir / "lm_eval_tasks"
-    task_dir.mkdir(parents=True, exist_ok=True)
-    (task_dir / f"{task['name']}.yaml").write_text(yaml.safe_dump(task_yaml(task, data_dir), sort_keys=False))
-    manager = TaskManager(include_path=str(task_dir), include_defaults=False)
+    manager = task_manager(task, data_dir, work_dir / "lm_eval_tasks")
     lm = eviction_lm(model, tokenizer, session, batch_size)
     return simple_evaluate(
         model=lm,

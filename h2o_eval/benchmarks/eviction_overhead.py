@@ -30,7 +30,7 @@ def time_policy(model, tokenizer, policy, task, shots, limit, data_dir, batch_si
         output = harness.evaluate(
             model,
             tokenizer,
-            registry_task(task),
+            harness.task_registry()[task],
             session,
             data_dir=data_dir,
             work_dir=Path(tempfile.mkdtemp()),
@@ -41,14 +41,6 @@ def time_policy(model, tokenizer, policy, task, shots, limit, data_dir, batch_si
         )
         elapsed = time.perf_counter() - start
     return elapsed, harness.metrics(output, task)["acc"]
-
-
-def registry_task(name: str) -> dict:
-    from importlib import resources
-
-    import yaml
-
-    return yaml.safe_load((resources.files("h2o_eval.conf") / "task" / f"{name}.yaml").read_text())
 
 
 def main() -> None:
