@@ -36,6 +36,14 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def random_qkv(args: argparse.Namespace, rows: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random query [B, Hq, rows, D] and key, value [B, Hkv, slots, D] in the benchmark's dtype, on the GPU."""
+    dtype = DTYPES[args.dtype]
+    query = torch.randn(args.batch, args.heads, rows, args.dim, dtype=dtype, device=DEVICE)
+    key = torch.randn(args.batch, args.kv_heads, slots, args.dim, dtype=dtype, device=DEVICE)
+    return query, key, torch.randn_like(key)
+
+
 def measure(fn: Callable[[], object]) -> tuple[float, int]:
     """(milliseconds per call, peak bytes allocated during the calls)."""
     import triton.testing
@@ -68,11 +76,8 @@ def report(name: str, length: int, traffic: int, kernel: Callable[[], object], r
 def column_scores_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None:
     from h2o_eval.kernels.column_scores import column_scores
 
-    dtype, device = DTYPES[args.dtype], DEVICE
-    query = torch.randn(args.batch, args.heads, length, args.dim, dtype=dtype, device=device)
-    key = torch.randn(args.batch, args.kv_heads, length, args.dim, dtype=dtype, device=device)
-    value = torch.randn_like(key)
-    valid = torch.ones(args.batch, length, dtype=torch.bool, device=device)
+    query, key, value = random_qkv(args, length, length)
+    valid = torch.ones(args.batch, length, dtype=torch.bool, device=DEVICE)
     weights = valid.float()
     scaling = args.dim**-0.5
     output, columns = column_scores(query, key, value, valid, weights, scaling)
@@ -90,13 +95,11 @@ def column_scores_case(args: argparse.Namespace, length: int, peak_gbps: float) 
 def decode_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None:
     from h2o_eval.kernels.decode_attention import decode_attention
 
-    dtype, device = DTYPES[args.dtype], DEVICE
     slots = make_policy("h2o", budget=args.budget).plan(length).capacity
-    query = torch.randn(args.batch, args.heads, args.dim, dtype=dtype, device=device)
-    keys = torch.randn(args.batch, args.kv_heads, slots, args.dim, dtype=dtype, device=device)
-    values = torch.randn_like(keys)
-    held = torch.ones(args.batch, args.kv_heads, slots, dtype=torch.bool, device=device)
-    scores = torch.zeros(args.batch, args.kv_heads, slots, dtype=torch.float32, device=device)
+    query, keys, values = random_qkv(args, 1, slots)
+    query = query[:, :, 0]
+    held = torch.ones(keys.shape[:3], dtype=torch.bool, device=DEVICE)
+    scores = torch.zeros(keys.shape[:3], dtype=torch.float32, device=DEVICE)
     scaling = args.dim**-0.5
     traffic = nbytes(query, keys, values, held, scores, scores, query)  # scores are read and written
     report(
@@ -112,17 +115,14 @@ def decode_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None
 def scan_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None:
     from h2o_eval.eviction import attend_chunk_triton
 
-    dtype, device = DTYPES[args.dtype], DEVICE
     plan = make_policy("h2o", budget=args.budget).plan(length)
-    query = torch.randn(args.batch, args.heads, length, args.dim, dtype=dtype, device=device)
-    key = torch.randn(args.batch, args.kv_heads, length, args.dim, dtype=dtype, device=device)
-    value = torch.randn_like(key)
-    per_sequence = torch.ones(args.batch, dtype=torch.int64, device=device)
+    query, key, value = random_qkv(args, length, length)
+    per_sequence = torch.ones(args.batch, dtype=torch.int64, device=DEVICE)
     chunk = Chunk(
-        held=torch.zeros(args.batch, args.kv_heads, length, dtype=torch.bool, device=device),
-        arriving=torch.ones(args.batch, length, dtype=torch.bool, device=device),
-        position=torch.arange(length, device=device).expand(args.batch, args.kv_heads, length).contiguous(),
-        scores=torch.zeros(args.batch, args.kv_heads, length, dtype=torch.float32, device=device),
+        held=torch.zeros(args.batch, args.kv_heads, length, dtype=torch.bool, device=DEVICE),
+        arriving=torch.ones(args.batch, length, dtype=torch.bool, device=DEVICE),
+        position=torch.arange(length, device=DEVICE).expand(args.batch, args.kv_heads, length).contiguous(),
+        scores=torch.zeros(args.batch, args.kv_heads, length, dtype=torch.float32, device=DEVICE),
         capacity=per_sequence * plan.capacity,
         recent=per_sequence * plan.recent,
         sinks=per_sequence * 0,
