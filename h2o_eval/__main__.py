@@ -8,9 +8,9 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import to_absolute_path
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from h2o_eval.callbacks import plain_config
 from h2o_eval.errors import ConfigError
 from h2o_eval.run import execute, fail, record_failure
 
@@ -22,10 +22,7 @@ def main(cfg: DictConfig) -> str:
     """One run. In a sweep a failing run does not stop the others: its error goes to a record of its own,
     and every job leaves ``status.json`` (ran, skipped or failed) for the sweep's summary."""
     hydra_config = HydraConfig.get()
-    config = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("data_dir", "results_dir"):
-        if config[key] is not None:
-            config[key] = to_absolute_path(config[key])
+    config = plain_config(cfg)
     work_dir = Path(hydra_config.runtime.output_dir)
     sweeping = hydra_config.mode == RunMode.MULTIRUN
     if sweeping and config["wandb"]["group"] is None:

@@ -1,4 +1,4 @@
-"""Hydra callbacks: the closing summary of a sweep."""
+"""Hydra callbacks: settings checked before Hydra makes a run's folder, and the closing summary of a sweep."""
 
 from __future__ import annotations
 
@@ -9,7 +9,32 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from hydra.utils import to_absolute_path
+from omegaconf import DictConfig, OmegaConf
+
+from h2o_eval.errors import ConfigError
+
+
+def plain_config(cfg: DictConfig) -> dict[str, Any]:
+    """A run's settings as a plain dict (without Hydra's own node), its paths absolute from the launch folder."""
+    config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
+    for key in ("data_dir", "results_dir"):
+        if config[key] is not None:
+            config[key] = to_absolute_path(config[key])
+    return config
+
+
+class ValidateFirst(Callback):
+    """A single run's settings and files are checked before Hydra creates ``<results_dir>/hydra/...``: a bad
+    setting (a read-only ``results_dir`` included) stops it with one line and exit status 2, leaving nothing."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from h2o_eval.run import fail, validate
+
+        try:
+            validate(plain_config(config))
+        except ConfigError as error:
+            fail(error)
 
 
 class SweepSummary(Callback):

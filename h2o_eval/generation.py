@@ -1,9 +1,8 @@
 """Summarisation under real KV eviction: prompts from ``tasks/<template>.yaml``, ``generate()`` with an
-:class:`~h2o_eval.backend.EvictionCache`, ROUGE-1/2/L F-measures (stemmed) from ``rouge-score``."""
+:class:`~h2o_eval.cache.EvictionCache`, ROUGE-1/2/L F-measures (stemmed) from ``rouge-score``."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from importlib import resources
@@ -12,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -31,8 +31,7 @@ def local_data_file(task: dict[str, Any], data_dir: str | Path) -> Path:
 def load_documents(task: dict[str, Any], data_dir: str | Path | None) -> list[dict[str, Any]]:
     """The task's split: ``<data_dir>/<task>/<split>.jsonl`` if ``data_dir`` is set, else the Hugging Face hub."""
     if data_dir is not None:
-        with local_data_file(task, data_dir).open() as handle:
-            return [json.loads(line) for line in handle]
+        return read_jsonl(local_data_file(task, data_dir), tuple(template(task)["fields"].values()))
     import datasets
 
     return list(datasets.load_dataset(task["hub"]["path"], task["hub"]["name"], split=task["split"]))
@@ -101,7 +100,7 @@ def summarise(
     import torch
     from tqdm import tqdm
 
-    from h2o_eval.backend import EvictionCache
+    from h2o_eval.cache import EvictionCache
 
     form = template(task)
     documents = load_documents(task, data_dir)
@@ -119,8 +118,8 @@ def summarise(
 
     outputs: list[dict[str, Any]] = []
     generated_tokens = decode_seconds = peak_entries = full_entries = 0
-    progress = tqdm(range(0, len(indices), batch_size), desc=f"generating {task['name']}", unit="batch")
-    for start in progress:
+    progress = tqdm(total=len(indices), desc=f"generating {task['name']}", unit="doc")
+    for start in range(0, len(indices), batch_size):
         batch = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True).to(device)
         cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels)
         torch.manual_seed(seed + start)
@@ -144,6 +143,7 @@ def summarise(
         peak_entries = max(peak_entries, cache.peak_entries)
         # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
         full_entries = max(full_entries, max(prompt_lengths) + new_tokens.shape[1] - 1)
+        capacity = cache.capacity()
         for row, index in enumerate(indices[start : start + batch_size]):
             padding = new_tokens[row] == tokenizer.pad_token_id
             length = int(padding.int().argmax()) if bool(padding.any()) else new_tokens.shape[1]
@@ -157,10 +157,12 @@ def summarise(
                     "reference": documents[index][form["fields"]["summary"]],
                     "prompt_tokens": prompt_lengths[row],
                     "generated_tokens": length,
-                    "capacity": min(int(cache.capacity[row]), prompt_lengths[row] + length),
+                    "capacity": min(round(float(capacity[row]), 2), prompt_lengths[row] + length),
                 }
             )
+        progress.update(len(indices[start : start + batch_size]))
         progress.set_postfix(tokens_per_s=f"{generated_tokens / decode_seconds:.1f}")
+    progress.close()
 
     scores = rouge([o["prediction"] for o in outputs], [o["reference"] for o in outputs])
     for output, score in zip(outputs, scores, strict=True):

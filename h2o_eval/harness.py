@@ -46,6 +46,15 @@ def evaluated_split(task: dict[str, Any]) -> str:
     return split
 
 
+def hub_dataset(task: dict[str, Any]) -> str:
+    """The hub dataset lm-eval loads for this task without ``data_dir`` (its YAML's ``dataset_path``)."""
+    source = lm_eval_tasks_dir() / task["lm_eval_yaml"]
+    config = yaml.load(source.read_text(), Loader=_IgnoreTagsLoader)
+    if "dataset_path" not in config and "include" in config:
+        config = yaml.load((source.parent / config["include"]).read_text(), Loader=_IgnoreTagsLoader)
+    return config["dataset_path"]
+
+
 def local_data_file(task: dict[str, Any], data_dir: str | Path) -> Path:
     """Where the evaluated split is read from under ``data_dir``; fails early if it is not there."""
     path = Path(data_dir) / task["name"] / f"{evaluated_split(task)}.jsonl"

@@ -40,9 +40,27 @@ def cache_dir() -> Path:
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when present, else the CPU; a device this machine lacks is refused before loading."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        target = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device={device!r} is not a device: use auto, cpu or cuda") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device}: no CUDA device on this machine: use device=cpu (or auto)")
+    return target
+
+
+def check_available(name: str | dict[str, Any]) -> None:
+    """The model's weights can be loaded without a long wait: installed, cached, or on a reachable hub."""
+    spec = _spec(name)
+    if spec["source"] == "hub":
+        from h2o_eval.hub import check_model
+
+        check_model(spec.get("name", spec["hf_id"]), spec["hf_id"])
+    else:  # SmolLM2's GGUF: its own weights, or the tokenizer of the tiny random models
+        smollm2_gguf()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,18 +16,39 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from h2o_eval import data
+
 SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "h2o_eval")
-# Settings that change where a run is written or how it is reported, never its numbers.
+# Settings that change where a run is written or how it is reported, never its numbers. The data's folder is
+# not identity, its content is (``data`` in :func:`identity`).
 NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "data_dir", "kernels")
+# What every record holds and the plot reads; a JSON file without these is not a record.
+RECORD_KEYS = (
+    "model",
+    "task",
+    "policy",
+    "budget",
+    "protocol",
+    "num_fewshot",
+    "limit",
+    "metrics",
+    "n_samples",
+    "created",
+)
+
+
+class UnreadableRecord(ValueError):
+    """A file where a record should be that is not one (truncated, not JSON, or without a record's keys)."""
 
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of a resolved config that determines a run's numbers (plus whether data came from disk)."""
+    """The part of a resolved config that determines a run's numbers, plus the data it reads: ``hub``, or the
+    hash of the local files' content (see :func:`h2o_eval.data.fingerprint`)."""
     ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY}
     if config["task"].get("kind") != "generation":
         ident.pop("generation", None)
-    ident["data"] = "local" if config.get("data_dir") else "hub"
+    ident["data"] = data.fingerprint(config)
     return ident
 
 
@@ -59,6 +81,7 @@ def _atomic_write(path: Path, text: str) -> None:
         stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide records from the rest of a group
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
@@ -67,6 +90,12 @@ def _atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def outputs_path(record: Path) -> Path:
@@ -88,11 +117,16 @@ def failure_path(record: Path) -> Path:
 def exclusive(record: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``record``'s setting: one process computes it while the others wait.
 
-    The lock is the operating system's (``flock``), so a killed process releases it.
+    The lock is the operating system's (``flock``), so a killed process releases it. A process that has to
+    wait says so, and for which record.
     """
     record.parent.mkdir(parents=True, exist_ok=True)
     with (record.parent / f".{record.stem}.lock").open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting: another process is computing {record.name} (it holds {handle.name})", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -100,12 +134,35 @@ def exclusive(record: Path) -> Iterator[None]:
 
 
 def read_record(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    """The record at ``path``; :class:`UnreadableRecord`, naming the file, if it is not one."""
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UnreadableRecord(f"{path} is not valid JSON ({error})") from None
+    missing = [key for key in RECORD_KEYS if key not in record] if isinstance(record, dict) else list(RECORD_KEYS)
+    if missing:
+        raise UnreadableRecord(f"{path} is not a record (no {', '.join(missing)})")
+    return record
+
+
+def set_aside(path: Path) -> Path:
+    """Move an unreadable record to ``<results_dir>/unreadable/`` (kept for a look, out of the results)."""
+    target = path.parent / "unreadable" / path.name
+    target.parent.mkdir(exist_ok=True)
+    os.replace(path, target)
+    return target
 
 
 def load_records(results_dir: str | Path) -> list[dict[str, Any]]:
-    """Every complete record directly under ``results_dir`` (temp files of unfinished writes are ignored)."""
-    return [read_record(path) for path in sorted(Path(results_dir).glob("*.json"))]
+    """Every record directly under ``results_dir``. Temp files of unfinished writes are ignored; a file that is
+    not a record is skipped with a warning naming it, so one bad file never hides the others."""
+    records = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            records.append(read_record(path))
+        except UnreadableRecord as error:
+            print(f"warning: skipped {error}", file=sys.stderr)
+    return records
 
 
 def versions() -> dict[str, str | None]:

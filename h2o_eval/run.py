@@ -11,11 +11,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import generation, harness, results, tracking
+from h2o_eval import data, generation, harness, hub, results, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_kernels, check_protocol, make_policy
 
 DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill"}
+TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of the sequence is worth a warning
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -24,9 +25,11 @@ def _is_int(value: Any) -> bool:
 
 
 def validate(config: dict[str, Any]) -> dict[str, Any]:
-    """Check every setting that needs no model; returns the config with defaults resolved.
+    """Check every setting and file before a model loads; returns the config with defaults resolved.
 
     The protocol defaults by task kind; the ``full`` policy keeps the whole cache, so its budget is 1.0.
+    Data files are read and checked row by row, and the model and hub data must be reachable (in the local
+    cache, or the hub online), so a bad input stops the run with one line instead of a traceback later.
     """
     policy = policy_of(config)
     limit = config["limit"]
@@ -43,22 +46,49 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if not _is_int(config["seed"]):
         raise ConfigError(f"seed={config['seed']!r}: use an integer")
     protocol = config["protocol"] or DEFAULT_PROTOCOL[config["task"]["kind"]]
-    if generating and policy.simulate_only:
+    if generating and not policy.has_cache:
         raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
     check_protocol(policy, protocol, config["kernels"])
-    if config["kernels"] == "triton":
-        from h2o_eval.models import resolve_device
+    from h2o_eval.models import check_available, resolve_device, resolve_dtype
 
-        check_kernels("triton", resolve_device(config["device"]).type)
+    device = resolve_device(config["device"])
+    resolve_dtype(config["dtype"], device)
+    if config["kernels"] == "triton":
+        check_kernels("triton", device.type)
     if config["wandb"]["mode"] not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
+    timeout = config["wandb"]["init_timeout"]
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
+        raise ConfigError(f"wandb.init_timeout={timeout!r}: use a number of seconds > 0")
     for key in ("max_new_tokens", "max_words"):
         value = config["generation"][key]
         if value is not None and (not _is_int(value) or value < 1):
             raise ConfigError(f"generation.{key}={value!r}: use an integer >= 1, or null for the task's default")
-    if config["data_dir"] is not None:
-        (generation if generating else harness).local_data_file(config["task"], config["data_dir"])
+    fields = tuple(generation.template(config["task"])["fields"].values()) if generating else ()
+    for path in data.data_files(config):
+        data.read_jsonl(path, fields)
+    if config["data_dir"] is None:
+        hub.check_dataset(config["task"]["name"], _hub_dataset(config["task"]))
+    check_available(config["model"])
+    _check_writable(Path(config["results_dir"]))
     return {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot}
+
+
+def _hub_dataset(task: dict[str, Any]) -> str:
+    """The hub dataset a task loads without ``data_dir``."""
+    return task["hub"]["path"] if task["kind"] == "generation" else harness.hub_dataset(task)
+
+
+def _check_writable(results_dir: Path) -> None:
+    """``results_dir``, or the folder that would hold it, must take a file (tried, as root ignores modes)."""
+    existing = next(folder for folder in (results_dir, *results_dir.parents) if folder.exists())
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"results_dir={results_dir} is not writable ({error.strerror}: {existing}): pick another results_dir"
+        ) from None
 
 
 def policy_of(config: dict[str, Any]) -> Policy:
@@ -85,10 +115,14 @@ def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, 
     path = results.record_path(config["results_dir"], config)
     with results.exclusive(path):
         if path.exists() and not config["overwrite"]:
-            record = results.read_record(path)
-            print(f"skipped: {path} exists (overwrite=true reruns it)")
-            print(summary_line(record))
-            return "skipped", record
+            try:
+                record = results.read_record(path)
+            except results.UnreadableRecord as error:
+                print(f"warning: {error}; moved to {results.set_aside(path)}, running it again", file=sys.stderr)
+            else:
+                print(f"skipped: {path} exists (overwrite=true reruns it)")
+                print(summary_line(record))
+                return "skipped", record
         record = _compute(config, path, work_dir)
     results.failure_path(path).unlink(missing_ok=True)
     return "ran", record
@@ -131,6 +165,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         "num_fewshot": config["num_fewshot"],
         "limit": config["limit"],
         "seed": config["seed"],
+        "data": data.fingerprint(config),
         **fields,
         "wall_seconds": round(time.perf_counter() - start, 3),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -145,17 +180,33 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
 
     if table:
         print(table)
-    print(summary_line(record))
-    print(f"record: {path}")
     tracking.log_run(config["wandb"], record, path.stem, work_dir)
+    _warn_tiny_budget(record)
+    print(summary_line(record))  # last, below lm-eval's table and W&B's output
+    print(f"record: {path}")
     return record
+
+
+def _warn_tiny_budget(record: dict[str, Any]) -> None:
+    """An integer budget counts tokens: ``budget=1`` keeps one token where ``budget=1.0`` keeps everything."""
+    kept = record.get("capacity", {}).get("kept_fraction_mean")
+    if _is_int(record["budget"]) and kept is not None and kept < TINY_KEPT_FRACTION:
+        print(
+            f"warning: budget={record['budget']} is a number of tokens and kept {kept:.0%} of the sequence on "
+            "average; a fraction of the sequence is a float in (0, 1] (budget=1.0 is the full cache)",
+            file=sys.stderr,
+        )
 
 
 def record_failure(config: dict[str, Any], error: BaseException) -> Path:
     """Keep a failed run's error in a record of its own (``<results_dir>/failed/``), outside the results."""
     with suppress(ConfigError):  # an invalid config is named from its settings as given
         config = validate(config)
-    path = results.failure_path(results.record_path(config["results_dir"], config))
+    try:
+        record = results.record_path(config["results_dir"], config)
+    except ConfigError:  # its data cannot be read, so it is named as if it read the hub's
+        record = results.record_path(config["results_dir"], {**config, "data_dir": None})
+    path = results.failure_path(record)
     results.write_record(
         path,
         {

@@ -1,10 +1,13 @@
-"""Weights & Biases logging. A W&B failure is reported and never costs the local record."""
+"""Weights & Biases logging. A W&B failure is reported in one line and never costs the local record, nor more
+than ``wandb.init_timeout`` seconds (plus W&B's own teardown) when W&B online does not answer."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 from typing import Any
+
+from h2o_eval.hub import no_connection
 
 
 def log_run(settings: dict[str, Any], record: dict[str, Any], run_name: str, work_dir: Path) -> str | None:
@@ -14,6 +17,10 @@ def log_run(settings: dict[str, Any], record: dict[str, Any], run_name: str, wor
     try:
         import wandb
 
+        options = wandb.Settings(init_timeout=settings["init_timeout"])
+        # W&B's server as its environment and settings files name it; without a connection, fail at once
+        if settings["mode"] == "online" and (reason := no_connection(wandb.setup().settings.base_url)):
+            raise ConnectionError(reason)
         run = wandb.init(
             mode=settings["mode"],
             project=settings["project"],
@@ -24,6 +31,7 @@ def log_run(settings: dict[str, Any], record: dict[str, Any], run_name: str, wor
             config=record["config"],
             dir=str(work_dir),
             reinit="finish_previous",
+            settings=options,
         )
         run.summary.update(
             {**record["metrics"], "n_samples": record["n_samples"], "wall_seconds": record["wall_seconds"]}
@@ -31,8 +39,10 @@ def log_run(settings: dict[str, Any], record: dict[str, Any], run_name: str, wor
         run.finish()
         return run.id
     except Exception as error:  # noqa: BLE001 - any W&B failure must leave the run's result intact
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         print(
-            f"warning: W&B logging failed ({type(error).__name__}: {error}); the local record is kept",
+            f"warning: W&B logging failed ({type(error).__name__}: {reason}); the local record is kept "
+            f"(W&B online gets wandb.init_timeout={settings['init_timeout']} s; wandb.mode=offline logs locally)",
             file=sys.stderr,
         )
         return None

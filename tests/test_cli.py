@@ -70,6 +70,8 @@ def test_cli_runs_records_logs_and_skips_the_rerun(tmp_path, data_dir):
     assert record["config"]["data_dir"] == str(data_dir)
     assert record["versions"]["lm_eval"] and record["versions"]["transformers"].startswith("5.")
     assert "| piqa" in done.stdout and "acc" in done.stdout  # the summary table
+    summary, where = done.stdout.strip().splitlines()[-2:]  # last, below lm-eval's table and W&B's output
+    assert summary.startswith("tiny-llama | piqa | full budget=1.0") and where == f"record: {records[0]}"
     assert list((tmp_path / "out").rglob("offline-run-*/run-*.wandb")), "W&B offline run not written"
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
@@ -113,3 +115,35 @@ def test_bad_value_is_a_one_line_error_and_no_record(tmp_path, override, message
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
     assert not list(tmp_path.rglob("*.json"))
+
+
+def bad_copa(tmp_path, content: str) -> str:
+    (tmp_path / "data" / "copa").mkdir(parents=True)
+    (tmp_path / "data" / "copa" / "validation.jsonl").write_text(content)
+    return "data_dir=data"
+
+
+@pytest.mark.parametrize(
+    ("make_args", "message"),
+    [
+        (lambda tmp, data: ["model=llama-7b", f"data_dir={data}"], "huggyllama/llama-7b is not in the Hugging Face"),
+        (lambda tmp, data: [], "task=copa reads aps/super_glue from the Hugging Face hub, which is not cached here"),
+        (lambda tmp, data: [bad_copa(tmp, '{"premise": "a"}\n{"premise"\n')], "validation.jsonl:2: not a JSON line"),
+        (lambda tmp, data: [bad_copa(tmp, '{"premise": "a", "label": 1}\n{"premise": "b"}\n')], ":2: no field label"),
+        (lambda tmp, data: [bad_copa(tmp, "")], "validation.jsonl holds no rows: put the task's rows there"),
+        (lambda tmp, data: ["device=cuda", f"data_dir={data}"], "device=cuda: no CUDA device on this machine"),
+        (
+            lambda tmp, data: ["results_dir=/sys/h2o_eval_results", f"data_dir={data}"],
+            "results_dir=/sys/h2o_eval_results is not writable",
+        ),
+    ],
+    ids=["model-offline", "hub-task-offline", "malformed-line", "missing-field", "empty-file", "cuda", "read-only"],
+)
+def test_bad_input_is_one_line_before_any_model_and_leaves_nothing(tmp_path, data_dir, make_args, message):
+    args = make_args(tmp_path, data_dir)
+    before = set(tmp_path.rglob("*"))
+    done = h2o_eval("model=tiny-llama", "task=copa", *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
+    assert done.stdout == "" and set(tmp_path.rglob("*")) == before  # no results/, no hydra/ folder

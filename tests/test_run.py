@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import stat
+import threading
+import time
 
 import pytest
 from conftest import make_config
 
 from h2o_eval import results, tracking
 from h2o_eval.errors import ConfigError
-from h2o_eval.run import run, validate
+from h2o_eval.run import _warn_tiny_budget, execute, run, validate
 
 
 @pytest.fixture
@@ -123,7 +127,14 @@ def test_wandb_offline_run_carries_config_and_metrics(tmp_path, monkeypatch):
         "n_samples": 4,
         "wall_seconds": 1.0,
     }
-    settings = {"mode": "offline", "project": "h2o_eval_test", "entity": None, "group": "g", "tags": ["t"]}
+    settings = {
+        "mode": "offline",
+        "project": "h2o_eval_test",
+        "entity": None,
+        "group": "g",
+        "tags": ["t"],
+        "init_timeout": 20,
+    }
     run_id = tracking.log_run(settings, record, "run-name", tmp_path)
     assert list(tmp_path.rglob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     (logged,) = started
@@ -191,3 +202,148 @@ def test_generation_settings_name_a_different_record_only_for_generation_tasks(t
     xsum = make_config(data_dir, tmp_path, task="xsum")
     longer = {**xsum, "generation": {**xsum["generation"], "max_new_tokens": 7}}
     assert results.record_path(tmp_path, xsum) != results.record_path(tmp_path, longer)
+
+
+def copy_task_data(data_dir, folder, task="copa", rows=None):
+    """``folder/<task>/<split>.jsonl`` holding the first ``rows`` rows of the shared data (all if None)."""
+    split = "test" if task in ("xsum", "cnn_dailymail", "mathqa", "openbookqa") else "validation"
+    lines = (data_dir / task / f"{split}.jsonl").read_text().splitlines(keepends=True)
+    target = folder / task / f"{split}.jsonl"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("".join(lines[:rows]))
+    return target
+
+
+def test_identity_follows_the_data_content_not_its_folder(tmp_path, data_dir, no_model_loading):
+    copy_task_data(data_dir, tmp_path / "a")
+    copy_task_data(data_dir, tmp_path / "same")
+    copy_task_data(data_dir, tmp_path / "fewer", rows=50)
+    path = {
+        name: results.record_path(tmp_path, make_config(tmp_path / name, tmp_path)) for name in ("a", "same", "fewer")
+    }
+    assert path["a"] == path["same"] != path["fewer"]
+    assert results.record_path(tmp_path, make_config(None, tmp_path)) not in path.values()
+
+
+def test_same_command_on_changed_data_is_recomputed_under_a_new_identity(tmp_path, data_dir, capsys):
+    file = copy_task_data(data_dir, tmp_path / "data")
+    config = make_config(tmp_path / "data", tmp_path / "results", model="tiny-llama", task="copa", limit=3)
+    status, first = execute(config, tmp_path / "work")
+    file.write_text("".join(reversed(file.read_text().splitlines(keepends=True))))  # other documents first
+    again, second = execute(config, tmp_path / "work")
+    assert (status, again) == ("ran", "ran") and "skipped" not in capsys.readouterr().out
+    assert first["data"] != second["data"]
+    assert len(list((tmp_path / "results").glob("*.json"))) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"premise": "a", "choice1": "b"}\n{"premise": "a", "choice1\n', r"validation\.jsonl:2: not a JSON line"),
+        ('{"premise": "a", "label": 0}\n\n{"premise": "b"}\n', r"validation\.jsonl:3: no field label: add it"),
+        ('["premise"]\n', r"validation\.jsonl:1: a JSON object per line"),
+        ("", r"validation\.jsonl holds no rows"),
+    ],
+)
+def test_a_bad_data_file_names_its_row_before_the_model_loads(tmp_path, no_model_loading, content, message):
+    (tmp_path / "data" / "copa").mkdir(parents=True)
+    (tmp_path / "data" / "copa" / "validation.jsonl").write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        run(make_config(tmp_path / "data", tmp_path / "results", task="copa"), tmp_path)
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_summarisation_row_without_the_templates_field_is_named(tmp_path, data_dir, no_model_loading):
+    file = copy_task_data(data_dir, tmp_path / "data", task="xsum", rows=3)
+    rows = [json.loads(line) for line in file.read_text().splitlines()]
+    file.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "summary"}) + "\n" for row in rows))
+    with pytest.raises(ConfigError, match=r"test\.jsonl:1: no field summary"):
+        run(make_config(tmp_path / "data", tmp_path / "results", task="xsum"), tmp_path)
+
+
+@pytest.mark.parametrize("content", ['{"model": "tiny-llama", "metr', '{"foo": 1}'])
+def test_an_unreadable_record_is_set_aside_named_and_rerun(tmp_path, data_dir, capsys, content):
+    config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=2)
+    path = results.record_path(tmp_path / "results", validate(config))
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    status, record = execute(config, tmp_path / "work")
+    assert status == "ran" and results.read_record(path) == json.loads(json.dumps(record, default=str))
+    assert str(path) in capsys.readouterr().err
+    assert (tmp_path / "results" / "unreadable" / path.name).read_text() == content
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
+def test_records_are_readable_as_the_umask_allows(tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        results.write_record(tmp_path / "run.json", {"metrics": {}})
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "run.json").stat().st_mode) == mode
+
+
+def test_a_run_waiting_for_the_lock_says_what_it_waits_for(tmp_path, capsys):
+    record = tmp_path / "setting.json"
+    entered = threading.Event()
+
+    def second_run():
+        with results.exclusive(record):
+            entered.set()
+
+    with results.exclusive(record):
+        waiter = threading.Thread(target=second_run)
+        waiter.start()
+        waiter.join(0.5)
+        assert not entered.is_set()
+    waiter.join(10)
+    assert entered.is_set()
+    lock = tmp_path / ".setting.lock"
+    assert capsys.readouterr().out == f"waiting: another process is computing setting.json (it holds {lock})\n"
+
+
+@pytest.fixture
+def wandb_environment(monkeypatch):
+    """Set W&B's environment variables for one test: W&B reads them once per process, at its setup."""
+    import wandb
+
+    wandb.teardown()
+    yield monkeypatch.setenv
+    monkeypatch.undo()
+    wandb.teardown()
+
+
+def test_wandb_online_that_never_answers_costs_a_bounded_wait_and_one_line(tmp_path, wandb_environment, capsys):
+    """A local server that accepts connections and never answers stands in for a network that hangs."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+    threading.Thread(target=lambda: held.extend(server.accept() for _ in range(64)), daemon=True).start()
+    wandb_environment("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    wandb_environment("WANDB_API_KEY", "0" * 40)
+    record = {"config": {"budget": 0.2}, "metrics": {"acc": 0.5}, "n_samples": 2, "wall_seconds": 1.0}
+    settings = {"mode": "online", "project": "p", "entity": None, "group": None, "tags": [], "init_timeout": 2}
+    began = time.monotonic()
+    assert tracking.log_run(settings, record, "hang", tmp_path) is None
+    assert time.monotonic() - began < 60  # W&B alone would wait 90 s, then retry
+    assert held, "W&B never reached the stand-in server"
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert "W&B logging failed (CommError: Timed out" in line and "wandb.init_timeout=2 s" in line
+
+
+def test_wandb_online_without_a_network_gives_up_at_once(tmp_path, wandb_environment, capsys):
+    wandb_environment("WANDB_BASE_URL", "http://wandb.invalid")
+    record = {"config": {}, "metrics": {"acc": 0.5}, "n_samples": 2, "wall_seconds": 1.0}
+    settings = {"mode": "online", "project": "p", "entity": None, "group": None, "tags": [], "init_timeout": 20}
+    began = time.monotonic()
+    assert tracking.log_run(settings, record, "offline", tmp_path) is None
+    assert time.monotonic() - began < 10
+    assert "warning: W&B logging failed (ConnectionError: wandb.invalid is unreachable" in capsys.readouterr().err
+
+
+def test_a_tiny_integer_budget_is_pointed_out(capsys):
+    record = {"budget": 1, "capacity": {"kept_fraction_mean": 0.04}}
+    _warn_tiny_budget(record)
+    _warn_tiny_budget({**record, "budget": 1.0})
+    _warn_tiny_budget({**record, "capacity": {"kept_fraction_mean": 0.5}})
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: budget=1 is a number of tokens and kept 4% of the sequence")
