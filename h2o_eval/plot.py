@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,14 +75,32 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def mixed_limits(rows: list[dict[str, Any]]) -> dict[str, list[int | float | None]]:
+    """Tasks whose rows were scored on different ``limit``s (document counts), with those limits: their
+    numbers are not comparable, so figures and tables keep them apart."""
+    limits: dict[str, set] = {}
+    for r in rows:
+        limits.setdefault(r["task"], set()).add(r["limit"])
+    return {task: sorted(found, key=_limit_order) for task, found in limits.items() if len(found) > 1}
+
+
+def _limit_order(limit: int | float | None) -> tuple[bool, float]:
+    return limit is None, limit or 0
+
+
+def _limit_label(limit: int | float | None) -> str:
+    return f"limit={limit}" if limit is not None else "all documents"
+
+
 def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
     """A Markdown table with a row per (task, model) and a column per policy (and protocol) at ``budget``,
     beside the full cache: the comparison a budget is chosen for. Values are ``value ± stderr``; a setting
-    that has no record is left empty."""
+    that has no record is left empty. Records of a task scored on different ``limit``s get a row each."""
     columns = sorted({(r["policy"], r["protocol"]) for r in rows if r["policy"] != "full" and r["budget"] == budget})
-    keys = sorted({(r["task"], r["model"]) for r in rows})
-    cell = {(r["task"], r["model"], r["policy"], r["protocol"]): r for r in rows if r["budget"] == budget}
-    full = {(r["task"], r["model"]): r for r in rows if r["policy"] == "full"}
+    keys = sorted({(r["task"], r["model"], r["limit"]) for r in rows}, key=lambda k: (*k[:2], _limit_order(k[2])))
+    cell = {(r["task"], r["model"], r["limit"], r["policy"], r["protocol"]): r for r in rows if r["budget"] == budget}
+    full = {(r["task"], r["model"], r["limit"]): r for r in rows if r["policy"] == "full"}
+    mixed = mixed_limits(rows)
 
     def show(r: dict[str, Any] | None) -> str:
         if r is None:
@@ -90,18 +109,22 @@ def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
 
     header = ["task", "model", "metric", "n", "full", *(f"{p} ({protocol})" for p, protocol in columns)]
     lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|" + "---:|" * (len(columns) + 1)]
-    for task, model in keys:
-        some = next(r for r in rows if (r["task"], r["model"]) == (task, model))
-        values = [show(full.get((task, model))), *(show(cell.get((task, model, *c))) for c in columns)]
-        lines.append(f"| {task} | {model} | {some['metric']} | {some['n_samples']} | " + " | ".join(values) + " |")
+    for task, model, limit in keys:
+        some = next(r for r in rows if (r["task"], r["model"], r["limit"]) == (task, model, limit))
+        values = [show(full.get((task, model, limit))), *(show(cell.get((task, model, limit, *c))) for c in columns)]
+        name = f"{model} ({_limit_label(limit)})" if task in mixed else model
+        lines.append(f"| {task} | {name} | {some['metric']} | {some['n_samples']} | " + " | ".join(values) + " |")
     return f"Budget {budget:.0%} of the cache:\n\n" + "\n".join(lines) + "\n"
 
 
 def figure(rows: list[dict[str, Any]], task: str) -> Any:
-    """The accuracy-vs-budget figure of one task (a matplotlib Figure)."""
+    """The accuracy-vs-budget figure of one task (a matplotlib Figure). Records scored on different ``limit``s
+    are never joined: each limit gets lines of its own, named in the legend."""
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["task"] == task]
+    if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
+        rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
     protocols = sorted({r["protocol"] for r in rows if r["policy"] != "full"})
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -198,6 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if not rows:
         parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")
+    for task, limits in mixed_limits(rows).items():
+        print(
+            f"note: {task} has records of {', '.join(map(_limit_label, limits))}: they are drawn and tabled apart",
+            file=sys.stderr,
+        )
     files = write(rows, args.out or args.results_dir / "plots", args.at)
     for path in files:
         print(path)

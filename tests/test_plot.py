@@ -118,3 +118,43 @@ def test_figures_go_to_the_sweeps_wandb_group(results_dir, tmp_path, monkeypatch
     monkeypatch.setattr(wandb, "init", init)
     plot.main([str(results_dir), "--out", str(tmp_path / "plots"), "--wandb-group", "sweep-7"])
     assert logged == {"group": "sweep-7", "job_type": "plot", "keys": ["figures/copa", "figures/xsum", "summary"]}
+
+
+def test_plot_skips_a_truncated_record_and_a_foreign_json_naming_them(results_dir, tmp_path, capsys):
+    (results_dir / "truncated.json").write_text('{"task": "copa", "metr')
+    (results_dir / "foreign.json").write_text('{"foo": 1}')
+    plot.main([str(results_dir), "--out", str(tmp_path / "plots")])
+    warnings = capsys.readouterr().err.splitlines()
+    assert f"warning: skipped {results_dir / 'foreign.json'} is not a record (no model, task" in warnings[0]
+    assert warnings[1].startswith(f"warning: skipped {results_dir / 'truncated.json'} is not valid JSON")
+    assert len(warnings) == 2
+    assert (tmp_path / "plots" / "summary.md").read_text() == plot.markdown(
+        plot.table(results.load_records(results_dir))
+    )
+
+
+def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
+    for number, (limit, budget, value) in enumerate([(10, 0.1, 0.5), (10, 0.2, 0.6), (50, 0.2, 0.7), (50, 0.5, 0.8)]):
+        results.write_record(
+            tmp_path / f"r{number}.json", {**fake_record("copa", "h2o", budget, value), "limit": limit}
+        )
+    results.write_record(tmp_path / "full.json", {**fake_record("copa", "full", 1.0, 0.9), "limit": None})
+    rows = plot.table(results.load_records(tmp_path))
+    figure = plot.figure(rows, "copa")
+    handles, labels = figure.axes[0].get_legend_handles_labels()
+    lines = {
+        label: list(zip(*handle.lines[0].get_data(), strict=True))  # an errorbar: its data line
+        for handle, label in zip(handles, labels, strict=True)
+        if label.startswith("h2o")
+    }
+    assert len(lines) == 2 and "tiny-llama, all documents: full cache" in labels
+    assert lines["h2o – tiny-llama, limit=10"] == [(10.0, 0.5), (20.0, 0.6)]
+    assert lines["h2o – tiny-llama, limit=50"] == [(20.0, 0.7), (50.0, 0.8)]
+    table = plot.side_by_side(rows, 0.2)
+    assert "| copa | tiny-llama (limit=10) | acc | 10 |  | 0.600 ± 0.050 |" in table
+    assert "| copa | tiny-llama (limit=50) | acc | 10 |  | 0.700 ± 0.050 |" in table
+    assert "| copa | tiny-llama (all documents) | acc | 10 | 0.900 ± 0.050 |  |" in table
+    plot.main([str(tmp_path), "--out", str(tmp_path / "plots")])
+    assert "note: copa has records of limit=10, limit=50, all documents: they are drawn and tabled apart" in (
+        capsys.readouterr().err
+    )
