@@ -9,7 +9,7 @@ from typing import Any
 
 _API = {
     "ConfigError": "h2o_eval.errors",
-    "EvictionCache": "h2o_eval.backend",
+    "EvictionCache": "h2o_eval.cache",
     "patch": "h2o_eval.backend",
     "load_model": "h2o_eval.models",
     "make_policy": "h2o_eval.policies",

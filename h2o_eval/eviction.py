@@ -3,31 +3,35 @@
 Shapes: B sequences, Hq query heads over Hkv KV heads (G = Hq / Hkv per group, query head h*G+g belongs to KV
 head h), n new tokens, N = S + n slots (S state slots followed by the n new tokens), D head dim.
 
-For each (sequence, KV head), row r of the chunk (token t = ``position`` of slot S + r) does, in order:
+A chunk has up to two phases per sequence. Its first ``prefill`` rows are the **prompt** (only on an empty
+cache): they attend in full, causally; their votes (the policy :class:`~h2o_eval.policies.Rule`'s
+``prompt_weights``) feed the scores; after the last real prompt row the cache is **compressed** to C
+(:func:`compress`). Every later row is a **decode** row and, per (sequence, KV head), does in order:
 
-1. if the cache already holds C tokens (and row r is past the prefill rows), evict the held token that is
-   neither among the ``recent`` most recent (positions > t - recent, the current token counting as the newest)
-   nor among the first ``sinks``, with the lowest score; ties go to the smallest position. It never returns;
+1. if the cache already holds C tokens, evict the held token that is neither among the ``recent`` most recent
+   (positions > t - recent, the current token counting as the newest) nor among the first ``sinks``, with the
+   lowest score; ties go to the smallest position. It never returns. (A rule that ``grows`` has C unbounded
+   after its prompt: nothing is evicted.)
 2. the token enters the cache, and its queries attend to exactly the held tokens (softmax renormalised over them);
-3. scores take that attention, summed over the group's query heads: added (``accumulate``), or replacing the
-   previous ones (``current``); ``random`` scores are fixed per position, ``none`` leaves recency to decide;
-4. after the last (real) prefill row, the cache is compressed to C by the same rule (lowest scores out).
+3. the rule's ``decode_votes`` fold that attention, summed over the group's query heads, into the scores:
+   added, replacing the previous ones, or not at all.
 
-Padding tokens (``arriving`` False) never enter. Simulate = empty state + the whole sequence; prefill = all
-context rows as prefill rows; decode = chunks of one token. :func:`attend_chunk_reference` states this as a
-plain loop over rows; :func:`attend_chunk` is the fast path: on the CPU one batched matmul for the logits, the
-sequential scan compiled with numba over (sequence, KV head), then one masked softmax for the outputs; on CUDA
-the Triton kernels of ``h2o_eval.kernels`` (:func:`attend_chunk_triton`).
+Padding tokens (``arriving`` False) never enter. Scores start as the policy's ``key_scores`` (or 0).
+simulate = empty state, no prompt rows; prefill/context = the context's rows are prompt rows; decode = chunks
+of one token. :func:`attend_chunk_reference` states all of this as a plain loop over rows; :func:`attend_chunk`
+is the fast path: the prompt phase as blocked causal attention with column sums (``column_scores``, Triton on
+CUDA), :func:`compress` vectorised, and the decode phase as the numba-compiled row scan over blocks of rows
+(the Triton ``eviction_scan`` on CUDA), or plain masked attention when no row can evict and none votes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import numba
 import numpy as np
 import torch
 
+from h2o_eval.kernels.numba_scan import scan_rows
 from h2o_eval.kernels.reference import (
     column_scores_reference,
     decode_attention_reference,
@@ -35,9 +39,9 @@ from h2o_eval.kernels.reference import (
     grouped_values,
     visible,
 )
-from h2o_eval.policies import ScoreRule
+from h2o_eval.policies import UNBOUNDED, Rule
 
-_RULE_CODE = {ScoreRule.ACCUMULATE: 0, ScoreRule.CURRENT: 1, ScoreRule.RANDOM: 2, ScoreRule.NONE: 3}
+ROW_BLOCK = 256  # decode-phase rows per block on the CPU: memory grows as rows x slots, never n x N
 
 
 @dataclass
@@ -47,8 +51,10 @@ class Chunk:
     held: [B, Hkv, N] bool, state slots held at the start (new slots False).
     arriving: [B, n] bool, new tokens that are real (False for padding).
     position: [B, Hkv, N] int64, each slot's token index in its sequence (padding excluded).
-    scores: [B, Hkv, N] float32, the state slots' scores (new slots 0; for ``random``, every slot's score).
-    capacity, recent, sinks, prefill: [B] int64; ``prefill`` rows attend without eviction, then compress.
+    scores: [B, Hkv, N] float32, the state slots' scores and the new tokens' starting scores.
+    capacity: [B, Hkv] int64, C per sequence and KV head (this layer's).
+    recent, sinks, prefill: [B] int64; rows < ``prefill`` are prompt rows (only with an empty state).
+    rule: the policy's score rule.
     """
 
     held: torch.Tensor
@@ -59,26 +65,27 @@ class Chunk:
     recent: torch.Tensor
     sinks: torch.Tensor
     prefill: torch.Tensor
-    rule: ScoreRule
+    rule: Rule
     scaling: float
 
 
-def random_scores(seed: int, layer: int, position: torch.Tensor) -> torch.Tensor:
-    """A uniform [0, 1) score per (seed, layer, KV head, position): the same on every path and step."""
-    heads = torch.arange(position.shape[1], device=position.device).view(1, -1, 1)
-    x = (position * 1_000_003 + heads * 7_919 + layer * 104_729 + seed * 15_485_863) & 0x7FFFFFFF
-    for _ in range(3):  # a few rounds of an integer hash (xorshift-multiply), all in int64
-        x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & 0x7FFFFFFF
-        x = ((x ^ (x >> 12)) * 0x297A2D39) & 0x7FFFFFFF
-    return (x & 0xFFFFFF).to(torch.float32) / float(1 << 24)
+@dataclass
+class Result:
+    """A chunk's output [B, Hq, n, D] and the cache state after it: held, scores [B, Hkv, N] and the
+    capacities [B, Hkv] that now apply (compression can make them per head, or unbounded); ``kept`` [B, Hkv]:
+    the tokens each head held right after its prompt was compressed (None without prompt rows)."""
+
+    output: torch.Tensor
+    held: torch.Tensor
+    scores: torch.Tensor
+    capacity: torch.Tensor
+    kept: torch.Tensor | None = None
 
 
-def _compress_rows(chunk: Chunk, n: int) -> torch.Tensor:
-    """[B] the row after which each sequence's cache is compressed: its last real row among the prefill rows
-    (-1: none)."""
-    rows = torch.arange(1, n + 1, device=chunk.arriving.device)
-    eligible = chunk.arriving & (rows <= chunk.prefill.view(-1, 1))
-    return (eligible * rows).amax(-1) - 1
+def prompt_rows(chunk: Chunk, n: int) -> torch.Tensor:
+    """[B, n] bool: the real rows of each sequence's prompt."""
+    rows = torch.arange(n, device=chunk.arriving.device)
+    return chunk.arriving & (rows < chunk.prefill.view(-1, 1))
 
 
 def _lowest(scores: torch.Tensor, position: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
@@ -88,25 +95,115 @@ def _lowest(scores: torch.Tensor, position: torch.Tensor, candidate: torch.Tenso
     return position.masked_fill(~tied, torch.iinfo(torch.int64).max).argmin(-1)
 
 
-def attend_chunk_reference(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk
+def _protected(position: torch.Tensor, now: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, N] bool: positions among the ``recent`` newest up to ``now`` [B], or among the first ``sinks``."""
+    return (position > (now - recent).view(-1, 1, 1)) | (position < sinks.view(-1, 1, 1))
+
+
+def pool_scores(scores: torch.Tensor, domain: torch.Tensor, rule: Rule) -> torch.Tensor:
+    """The scores with those in ``domain`` [B, Hkv, N] pooled along positions, as torch's ``max_pool1d`` /
+    ``avg_pool1d`` (stride 1, padding kernel_size // 2, avg counting the padding) would pool each (sequence, KV
+    head)'s domain scores laid out in slot order, which on a prompt is position order."""
+    if rule.pooling is None or not bool(domain.any()):
+        return scores
+    batch, kv_heads, _ = scores.shape
+    length = int(domain.sum(-1).max())
+    index = torch.where(domain, domain.cumsum(-1) - 1, length)  # rank in the domain; elsewhere a spare column
+    fill = float("-inf") if rule.pooling == "max" else 0.0  # what torch pads with
+    dense = torch.full((batch, kv_heads, length + 1), fill, dtype=torch.float32, device=scores.device)
+    dense = dense.scatter(-1, index, scores.float())[..., :length]
+    dense = torch.where(torch.arange(length, device=scores.device) < domain.sum(-1, keepdim=True), dense, fill)
+    pool = torch.nn.functional.max_pool1d if rule.pooling == "max" else torch.nn.functional.avg_pool1d
+    pooled = pool(dense.reshape(batch * kv_heads, 1, length), rule.kernel_size, stride=1, padding=rule.kernel_size // 2)
+    pooled = pooled.view(batch, kv_heads, length).gather(-1, index.clamp(max=length - 1))
+    return torch.where(domain, pooled, scores)
+
+
+def compress(
+    held: torch.Tensor,
+    scores: torch.Tensor,
+    position: torch.Tensor,
+    capacity: torch.Tensor,
+    recent: torch.Tensor,
+    sinks: torch.Tensor,
+    now: torch.Tensor,
+    rule: Rule,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The semantics above as a loop over rows. Returns (output [B, Hq, n, D], held [B, Hkv, N], scores)."""
+    """Compress a prompt's cache to its capacity; returns (held, scores, capacity after the prompt).
+
+    ``now`` [B] is the position of each sequence's last prompt token (-1: no prompt, nothing changes). The
+    scores of the tokens older than the recent window are pooled (``rule.pooling``); the protected tokens stay;
+    of the rest, the lowest (score, position) go until each KV head holds its C. With ``rule.safeguard`` the
+    heads of the layer share their Hkv * C slots instead: each keeps its protected tokens and its
+    floor(safeguard * C) best, the remaining slots go to the best of the layer (ties: lowest score, then smallest
+    position, then lowest head goes first). After the prompt, C is unbounded if the rule grows, else what each
+    head holds (at most its C).
+    """
+    batch, kv_heads, slots = scores.shape
+    device = scores.device
+    active = (now >= 0).view(-1, 1, 1)
+    protected = _protected(position, now, recent, sinks) & held
+    older = held & (position <= (now - recent).view(-1, 1, 1)) & active
+    scores = pool_scores(scores, older, rule)
+    candidate = held & ~protected & active
+    # Rank candidates per head, best first: higher score, then larger position (ties: the oldest goes).
+    order = torch.argsort(-position, dim=-1, stable=True)
+    order = order.gather(
+        -1, torch.argsort((-scores).masked_fill(~candidate, torch.inf).gather(-1, order), dim=-1, stable=True)
+    )
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(slots, device=device).expand_as(order))
+    room = (capacity - protected.sum(-1)).clamp(min=0)  # [B, Hkv] candidates each head may keep
+    if rule.safeguard is None:
+        keep = candidate & (rank < room.unsqueeze(-1))
+    else:
+        guaranteed = torch.minimum(room, (rule.safeguard * capacity).floor().long() - protected.sum(-1))
+        sure = candidate & (rank < guaranteed.clamp(min=0).unsqueeze(-1))
+        shared = capacity.sum(-1) - protected.sum((-1, -2)) - sure.sum((-1, -2))  # [B] slots left in the layer
+        rest = candidate & ~sure
+        # Rank the rest across the layer's heads: higher score, then larger position, then higher head first.
+        flat_scores = scores.masked_fill(~rest, -torch.inf).reshape(batch, -1)
+        flat_position = position.reshape(batch, -1)
+        head = torch.arange(kv_heads, device=device).repeat_interleave(slots).expand(batch, -1)
+        flat_order = torch.argsort(-head, dim=-1, stable=True)
+        for key in (flat_position, flat_scores):
+            flat_order = flat_order.gather(-1, torch.argsort(-key.gather(-1, flat_order), dim=-1, stable=True))
+        flat_rank = torch.empty_like(flat_order).scatter_(
+            -1, flat_order, torch.arange(flat_order.shape[-1], device=device).expand_as(flat_order)
+        )
+        keep = sure | (rest & (flat_rank < shared.view(-1, 1)).view(batch, kv_heads, slots))
+    held = held & (~candidate | keep)
+    if rule.grows:
+        after = torch.where(active[..., 0], UNBOUNDED, capacity)
+    elif rule.safeguard is not None:
+        after = torch.where(active[..., 0], held.sum(-1), capacity)
+    else:
+        after = capacity
+    return held, scores, after
+
+
+def attend_chunk_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk) -> Result:
+    """The semantics above as a loop over rows, one eviction at a time (the definition the fast paths are
+    tested against; compression too is written here as repeated single evictions)."""
     batch, q_heads, n, _ = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     state = slots - n
+    rule = chunk.rule
     logits = grouped_logits(query, key, chunk.scaling)
     held = chunk.held.clone()
     scores = chunk.scores.clone().float()
     position = chunk.position
+    capacity = chunk.capacity.clone()
     output = torch.zeros(batch, kv_heads, group, n, value.shape[-1], dtype=torch.float32, device=query.device)
-    capacity, recent, sinks = (x.view(-1, 1, 1) for x in (chunk.capacity, chunk.recent, chunk.sinks))
-    compress_at = _compress_rows(chunk, n)
+    in_prompt = prompt_rows(chunk, n)
+    if bool(in_prompt.any()) and state:
+        raise ValueError("prompt rows need an empty cache: prefill a chunk before any other")
+    prompt_weights = rule.prompt_weights(in_prompt)
+    last_prompt_row = torch.where(in_prompt.any(-1), (in_prompt * torch.arange(1, n + 1)).amax(-1) - 1, -1)
+    kept = None
 
     def evict_one(where: torch.Tensor, now: torch.Tensor) -> None:
-        protected = (position > now.unsqueeze(-1) - recent) | (position < sinks)
-        candidate = held & ~protected
+        candidate = held & ~_protected(position, now, chunk.recent, chunk.sinks)
         if bool((where & ~candidate.any(-1)).any()):
             raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
         victim = _lowest(scores, position, candidate)
@@ -115,89 +212,209 @@ def attend_chunk_reference(
     for row in range(n):
         slot = state + row
         arrives = chunk.arriving[:, row].view(-1, 1).expand(batch, kv_heads)
-        now = position[..., slot]
-        past_prefill = (row >= chunk.prefill).view(-1, 1)
-        evict_one(arrives & past_prefill & (held.sum(-1) >= capacity[..., 0]), now)
+        now = position[:, 0, slot]
+        decoding = arrives & ~in_prompt[:, row].view(-1, 1)
+        evict_one(decoding & (held.sum(-1) >= capacity), now)
         held[..., slot] |= arrives
         masked = logits[:, :, :, row].masked_fill(~held.unsqueeze(2), float("-inf"))
         probs = torch.softmax(masked, dim=-1).nan_to_num(0.0) * arrives.view(batch, kv_heads, 1, 1)
         output[:, :, :, row] = torch.matmul(probs, value.float())
         attention = probs.sum(2)
-        if chunk.rule is ScoreRule.ACCUMULATE:
-            scores += attention
-        elif chunk.rule is ScoreRule.CURRENT:
-            scores = torch.where(arrives.unsqueeze(-1), attention, scores)
-        compress = arrives & (row == compress_at).view(-1, 1)
-        while bool((compress & (held.sum(-1) > capacity[..., 0])).any()):
-            evict_one(compress & (held.sum(-1) > capacity[..., 0]), now)
-    return output.view(batch, q_heads, n, -1).to(query.dtype), held, scores
+        if prompt_weights is not None:
+            weight = torch.where(in_prompt[:, row], prompt_weights[:, row], float(rule.decode_votes <= 1))
+        else:
+            weight = torch.zeros(batch, device=query.device)
+        votes = arrives & (weight > 0).view(-1, 1)
+        if rule.combine == "replace":
+            scores = torch.where(votes.unsqueeze(-1), attention, scores)
+        else:
+            scores = scores + attention * (weight.view(-1, 1, 1) * votes.unsqueeze(-1))
+        compressing = last_prompt_row == row
+        if bool(compressing.any()):
+            scores = _reference_compress(held, scores, position, capacity, chunk, now, compressing)
+            kept = torch.where(compressing.view(-1, 1), held.sum(-1), 0 if kept is None else kept)
+            if rule.grows:
+                capacity = torch.where(compressing.view(-1, 1), UNBOUNDED, capacity)
+            elif rule.safeguard is not None:
+                capacity = torch.where(compressing.view(-1, 1), held.sum(-1), capacity)
+    return Result(output.view(batch, q_heads, n, -1).to(query.dtype), held, scores, capacity, kept)
+
+
+def _reference_compress(held, scores, position, capacity, chunk, now, compressing) -> torch.Tensor:
+    """Compression written as single evictions (in place on ``held``); returns the pooled scores."""
+    rule = chunk.rule
+    batch, kv_heads, slots = held.shape
+    protected = _protected(position, now, chunk.recent, chunk.sinks)
+    older = held & (position <= (now - chunk.recent).view(-1, 1, 1)) & compressing.view(-1, 1, 1)
+    if rule.pooling is not None:
+        pool = torch.nn.functional.max_pool1d if rule.pooling == "max" else torch.nn.functional.avg_pool1d
+        for b, h in zip(*torch.nonzero(older.any(-1), as_tuple=True), strict=True):
+            where = torch.nonzero(older[b, h]).flatten()  # slot order is position order on a prompt
+            row = scores[b, h, where].view(1, 1, -1)
+            pooled = pool(row, rule.kernel_size, stride=1, padding=rule.kernel_size // 2)
+            scores[b, h, where] = pooled.flatten()
+    for b in torch.nonzero(compressing).flatten().tolist():
+        if rule.safeguard is None:
+            for h in range(kv_heads):
+                while int(held[b, h].sum()) > int(capacity[b, h]):
+                    candidate = held[b, h] & ~protected[b, h]
+                    held[b, h, _lowest(scores[b, h], position[b, h], candidate)] = False
+            continue
+        sure = torch.zeros(kv_heads, slots, dtype=torch.bool)
+        for h in range(kv_heads):
+            candidate = held[b, h] & ~protected[b, h]
+            room = int(capacity[b, h]) - int((held[b, h] & protected[b, h]).sum())
+            count = min(room, int(rule.safeguard * int(capacity[b, h])) - int((held[b, h] & protected[b, h]).sum()))
+            best = sorted(
+                torch.nonzero(candidate).flatten().tolist(), key=lambda j: (-scores[b, h, j], -position[b, h, j])
+            )
+            sure[h, best[: max(count, 0)]] = True
+        while int(held[b].sum()) > int(capacity[b].sum()):
+            rest = held[b] & ~protected[b] & ~sure
+            victims = [(float(scores[b, h, j]), int(position[b, h, j]), h, j) for h, j in torch.nonzero(rest).tolist()]
+            _, _, h, j = min(victims)
+            held[b, h, j] = False
+    return scores
 
 
 def attend_chunk(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`attend_chunk_reference`: on CUDA the Triton kernels (:func:`attend_chunk_triton`),
-    elsewhere the row scan compiled with numba.
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, triton: bool = False
+) -> Result:
+    """Same contract as :func:`attend_chunk_reference`, fast: the prompt phase from ``column_scores`` (its
+    Triton kernel with ``triton``, else its blocked PyTorch reference), :func:`compress`, then the decode phase
+    through the row scan (``eviction_scan`` with ``triton``, else the numba scan over blocks of rows), or as plain
+    masked attention when no decode row can evict and none votes."""
+    n, slots = query.shape[2], key.shape[2]
+    in_prompt = prompt_rows(chunk, n)
+    held, scores, capacity = chunk.held, chunk.scores.float(), chunk.capacity
+    output = kept = None
+    if bool(in_prompt.any()):
+        if slots != n:
+            raise ValueError("prompt rows need an empty cache: prefill a chunk before any other")
+        output, held, scores, capacity = _prompt_phase(query, key, value, chunk, in_prompt, triton)
+        kept = torch.where(in_prompt.any(-1, keepdim=True), held.sum(-1), 0)
+    decoding = chunk.arriving & ~in_prompt
+    if not bool(decoding.any()):
+        return Result(output if output is not None else torch.zeros_like(query), held, scores, capacity, kept)
+    rest = replace(chunk, held=held, scores=scores, capacity=capacity, arriving=decoding)
+    if rest.rule.decode_votes == 2 and bool((held.sum(-1) + decoding.sum(-1, keepdim=True) <= capacity).all()):
+        result = _attend_without_eviction(query, key, value, rest)
+    elif triton:
+        result = _scan_triton(query, key, value, rest)
+    else:
+        result = _scan_cpu(query, key, value, rest)
+    if output is not None:
+        result.output = torch.where(in_prompt.view(in_prompt.shape[0], 1, n, 1), output, result.output)
+    result.kept = kept
+    return result
 
-    A chunk that is all prefill from an empty cache (a prompt) takes :func:`_prefill_chunk` instead.
-    """
-    if query.is_cuda:
-        return attend_chunk_triton(query, key, value, chunk)
-    batch, q_heads, n, _ = query.shape
+
+def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, triton: bool):
+    """Prompt rows attend causally in full; their votes feed the scores; the cache is then compressed."""
+    rule = chunk.rule
+    last = int(chunk.prefill.clamp(max=query.shape[2]).max())
+    q, k, v, rows = query[:, :, :last], key[:, :, :last], value[:, :, :last], in_prompt[:, :last]
+    weights = rule.prompt_weights(rows)
+    scores = chunk.scores.float().clone()
+    if weights is None:
+        seen = visible(rows, torch.arange(last, device=q.device), torch.arange(last, device=q.device))
+        output = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=seen.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
+        )
+    else:
+        if triton:
+            from h2o_eval.kernels.column_scores import column_scores
+
+            output, attention = column_scores(q, k, v, rows, weights, chunk.scaling)
+        else:
+            output, attention = column_scores_reference(q, k, v, rows, weights, chunk.scaling)
+        if rule.combine == "replace":
+            scores[..., :last] = torch.where(rows.unsqueeze(1), attention, scores[..., :last])
+        else:
+            scores[..., :last] += attention
+    full_output = torch.zeros_like(query)
+    full_output[:, :, :last] = output
+    held = chunk.held.clone()
+    held[..., :last] |= rows.unsqueeze(1)
+    now = torch.where(rows.any(-1), chunk.position[:, 0].masked_fill(~in_prompt, -1).amax(-1), -1)
+    held, scores, capacity = compress(
+        held, scores, chunk.position, chunk.capacity, chunk.recent, chunk.sinks, now, rule
+    )
+    return full_output, held, scores, capacity
+
+
+def _attend_without_eviction(query, key, value, chunk: Chunk) -> Result:
+    """Decode rows that can evict nothing and vote nothing: each sees the held slots and the arriving tokens
+    up to itself (a padding row sees itself), blocks of rows at a time."""
+    n, slots = query.shape[2], key.shape[2]
+    state = slots - n
+    held = chunk.held.clone()
+    held[..., state:] |= chunk.arriving.unsqueeze(1)
+    output = torch.zeros_like(query)
+    cols = torch.arange(slots, device=query.device)
+    for start in range(0, n, ROW_BLOCK):
+        stop = min(start + ROW_BLOCK, n)
+        rows = torch.arange(start, stop, device=query.device)
+        own = cols.view(1, -1) == (state + rows).view(-1, 1)
+        causal = cols.view(1, -1) <= (state + rows).view(-1, 1)
+        seen = (held.unsqueeze(2) & causal) | own  # [B, Hkv, rows, N]; state slots all precede the rows
+        logits = grouped_logits(query[:, :, start:stop], key, chunk.scaling)
+        probs = torch.softmax(logits.masked_fill(~seen.unsqueeze(2), float("-inf")), dim=-1)
+        output[:, :, start:stop] = grouped_values(probs, value).to(query.dtype)
+    return Result(output, held, chunk.scores, chunk.capacity)
+
+
+def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
+    """The decode phase on the CPU: per block of rows, the block's logits (rows x visible slots), the numba scan
+    over them, then one masked softmax for the block's outputs."""
+    batch, _, n, _ = query.shape
     slots = key.shape[2]
-    if _is_prompt(chunk, n, slots):
-        return _prefill_chunk(query, key, value, chunk)
-    logits = grouped_logits(query, key, chunk.scaling)
+    state = slots - n
     held = chunk.held.cpu().numpy().copy()
     scores = chunk.scores.detach().float().cpu().numpy().copy()
     enter = np.where(held, 0, n).astype(np.int64)
     leave = np.full(held.shape, n, dtype=np.int64)
     stuck = np.zeros(held.shape[:2], dtype=np.bool_)
-    _scan(
-        logits.detach().cpu().numpy(),
+    arriving = chunk.arriving.cpu().numpy()
+    args = (
         held,
-        chunk.arriving.cpu().numpy(),
+        arriving,
         chunk.position.cpu().numpy(),
         scores,
         chunk.capacity.cpu().numpy(),
         chunk.recent.cpu().numpy(),
         chunk.sinks.cpu().numpy(),
-        chunk.prefill.cpu().numpy(),
-        _compress_rows(chunk, n).cpu().numpy(),
-        _RULE_CODE[chunk.rule],
+        chunk.rule.decode_votes,
         enter,
         leave,
         stuck,
     )
-    if stuck.any():
-        raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
+    output = torch.zeros_like(query)
+    first = int(np.argmax(arriving.any(0)))
     device = query.device
-    rows = torch.arange(n, device=device).view(1, 1, n, 1)
-    enter_t, leave_t = torch.from_numpy(enter).to(device), torch.from_numpy(leave).to(device)
-    visible = (rows >= enter_t.unsqueeze(2)) & (rows < leave_t.unsqueeze(2))
-    # A padding row sees only itself, so its (unused) output stays finite.
-    padding_rows = ~chunk.arriving.view(batch, 1, n, 1)
-    own_slot = torch.arange(slots, device=device).view(1, 1, 1, slots) == (slots - n + rows)
-    visible = visible | (padding_rows & own_slot)
-    probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), float("-inf")), dim=-1)
-    output = grouped_values(probs, value)
-    return (
-        output.to(query.dtype),
-        torch.from_numpy(held).to(device),
-        torch.from_numpy(scores).to(device),
-    )
+    for start in range(first, n, ROW_BLOCK):
+        stop = min(start + ROW_BLOCK, n)
+        seen_slots = state + stop
+        logits = grouped_logits(query[:, :, start:stop], key[:, :, :seen_slots], chunk.scaling)
+        scan_rows(logits.detach().cpu().numpy(), start, *args)
+        if stuck.any():
+            raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
+        rows = torch.arange(start, stop, device=device).view(1, 1, -1, 1)
+        enter_t = torch.from_numpy(enter[..., :seen_slots]).to(device).unsqueeze(2)
+        leave_t = torch.from_numpy(leave[..., :seen_slots]).to(device).unsqueeze(2)
+        seen = (rows >= enter_t) & (rows < leave_t)
+        # A padding row sees only itself, so its (unused) output stays finite.
+        own = torch.arange(seen_slots, device=device).view(1, 1, 1, -1) == (state + rows)
+        seen = seen | (~chunk.arriving[:, start:stop].view(batch, 1, -1, 1) & own)
+        probs = torch.softmax(logits.masked_fill(~seen.unsqueeze(2), float("-inf")), dim=-1)
+        output[:, :, start:stop] = grouped_values(probs, value[:, :, :seen_slots]).to(query.dtype)
+    return Result(output, torch.from_numpy(held).to(device), torch.from_numpy(scores).to(device), chunk.capacity)
 
 
-def attend_chunk_triton(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Same contract as :func:`attend_chunk_reference`, on the Triton kernels of ``h2o_eval.kernels``: a prompt
-    (all prefill, empty cache) through ``column_scores``, any other chunk through ``eviction_scan``."""
-    if _is_prompt(chunk, query.shape[2], key.shape[2]):
-        return _prefill_chunk(query, key, value, chunk, triton=True)
+def _scan_triton(query, key, value, chunk: Chunk) -> Result:
     from h2o_eval.kernels.eviction_scan import eviction_scan
 
-    return eviction_scan(
+    output, held, scores = eviction_scan(
         query,
         key,
         value,
@@ -208,137 +425,15 @@ def attend_chunk_triton(
         chunk.capacity,
         chunk.recent,
         chunk.sinks,
-        chunk.prefill,
-        _compress_rows(chunk, query.shape[2]),
-        _RULE_CODE[chunk.rule],
+        chunk.rule.decode_votes,
         chunk.scaling,
     )
+    return Result(output, held, scores, chunk.capacity)
 
 
-def _is_prompt(chunk: Chunk, n: int, slots: int) -> bool:
-    """All rows are prefill rows and the cache starts empty."""
-    return slots == n and bool((chunk.prefill >= n).all())
-
-
-def _prefill_chunk(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, triton: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A whole chunk of prefill rows from an empty cache: causal attention with the score rule applied to its
-    probabilities (column sums for ``accumulate``, the last row for ``current``; SDPA alone when no score needs
-    them), from ``column_scores`` (Triton) or its PyTorch reference, then compression to C: the lowest
-    (score, position) unprotected tokens go."""
-    batch, _, n, _ = query.shape
-    device = query.device
-    arriving = chunk.arriving
-    if chunk.rule not in (ScoreRule.ACCUMULATE, ScoreRule.CURRENT):
-        seen = visible(arriving, torch.arange(n, device=device), torch.arange(n, device=device))
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=seen.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
-        )
-        scores = chunk.scores.clone().float()
-    else:  # the probabilities are needed anyway: one pass gives the outputs and the scores
-        last = (arriving.cumsum(-1) == arriving.sum(-1, keepdim=True)) & arriving  # each sequence's last row
-        weights = (arriving if chunk.rule is ScoreRule.ACCUMULATE else last).float()
-        if triton:
-            from h2o_eval.kernels.column_scores import column_scores
-
-            output, attention = column_scores(query, key, value, arriving, weights, chunk.scaling)
-        else:
-            output, attention = column_scores_reference(query, key, value, arriving, weights, chunk.scaling)
-        scores = chunk.scores.float() + attention if chunk.rule is ScoreRule.ACCUMULATE else attention
-    held = arriving.unsqueeze(1).expand_as(scores).clone()
-    now = (arriving.sum(-1) - 1).view(-1, 1, 1)
-    protected = (chunk.position > now - chunk.recent.view(-1, 1, 1)) | (chunk.position < chunk.sinks.view(-1, 1, 1))
-    candidate = held & ~protected
-    excess = (held.sum(-1) - chunk.capacity.view(-1, 1)).clamp(min=0)
-    order = torch.argsort(chunk.position, dim=-1, stable=True)
-    order = order.gather(
-        -1, torch.argsort(scores.masked_fill(~candidate, torch.inf).gather(-1, order), dim=-1, stable=True)
-    )
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=device).expand_as(order))
-    held &= ~(candidate & (rank < excess.unsqueeze(-1)))
-    return output, held, scores
-
-
-@numba.njit(cache=True, inline="always")
-def _victim(slots, count, held_scores, positions, now, recent, sinks):
-    best = -1
-    for k in range(count):
-        j = slots[k]
-        pos = positions[j]
-        if pos > now - recent or pos < sinks:
-            continue
-        if best < 0:
-            best = k
-            continue
-        b = slots[best]
-        if held_scores[j] < held_scores[b] or (held_scores[j] == held_scores[b] and pos < positions[b]):
-            best = k
-    return best
-
-
-@numba.njit(cache=True, parallel=True)
-def _scan(
-    logits, held, arriving, position, scores, capacity, recent, sinks, prefill, compress_at, rule, enter, leave, stuck
-):
-    batch, kv_heads, group, n, num_slots = logits.shape
-    state = num_slots - n
-    for bh in numba.prange(batch * kv_heads):
-        b = bh // kv_heads
-        h = bh % kv_heads
-        slots = np.empty(num_slots, dtype=np.int64)
-        weights = np.empty(num_slots, dtype=np.float64)
-        attention = np.empty(num_slots, dtype=np.float64)
-        count = 0
-        for j in range(num_slots):
-            if held[b, h, j]:
-                slots[count] = j
-                count += 1
-        for r in range(n):
-            if not arriving[b, r]:
-                continue
-            now = position[b, h, state + r]
-            if r >= prefill[b] and count >= capacity[b]:
-                k = _victim(slots, count, scores[b, h], position[b, h], now, recent[b], sinks[b])
-                if k < 0:
-                    stuck[b, h] = True
-                    break
-                held[b, h, slots[k]] = False
-                leave[b, h, slots[k]] = r
-                count -= 1
-                slots[k] = slots[count]
-            slots[count] = state + r
-            count += 1
-            held[b, h, state + r] = True
-            enter[b, h, state + r] = r
-            if rule <= 1:
-                for k in range(count):
-                    attention[k] = 0.0
-                for g in range(group):
-                    top = -np.inf
-                    for k in range(count):
-                        top = max(top, logits[b, h, g, r, slots[k]])
-                    total = 0.0
-                    for k in range(count):
-                        weights[k] = np.exp(logits[b, h, g, r, slots[k]] - top)
-                        total += weights[k]
-                    for k in range(count):
-                        attention[k] += np.float32(weights[k] / total)
-                for k in range(count):
-                    if rule == 0:
-                        scores[b, h, slots[k]] += np.float32(attention[k])
-                    else:
-                        scores[b, h, slots[k]] = np.float32(attention[k])
-            if r == compress_at[b]:
-                while count > capacity[b]:
-                    k = _victim(slots, count, scores[b, h], position[b, h], now, recent[b], sinks[b])
-                    if k < 0:
-                        stuck[b, h] = True
-                        break
-                    held[b, h, slots[k]] = False
-                    leave[b, h, slots[k]] = r + 1
-                    count -= 1
-                    slots[k] = slots[count]
+def attend_chunk_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk) -> Result:
+    """:func:`attend_chunk` on the Triton kernels of ``h2o_eval.kernels``."""
+    return attend_chunk(query, key, value, chunk, triton=True)
 
 
 def claim_slot(
@@ -355,13 +450,11 @@ def claim_slot(
     A full cache gives up its victim (same rule as the scan); one below capacity takes a free slot. Returns
     None when some cache is below capacity with no free slot left (the caller grows the buffer instead).
     """
-    count = held.sum(-1)
-    full = count >= capacity.view(-1, 1)
+    full = held.sum(-1) >= capacity
     free = ~held
     if bool((~full & ~free.any(-1)).any()):
         return None
-    protected = (position > (now - recent).view(-1, 1, 1)) | (position < sinks.view(-1, 1, 1))
-    candidate = held & ~protected
+    candidate = held & ~_protected(position, now, recent, sinks)
     if bool((full & ~candidate.any(-1)).any()):
         raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
     victim = _lowest(scores, position, candidate)
@@ -374,7 +467,7 @@ def attend_held(
     values: torch.Tensor,
     held: torch.Tensor,
     scores: torch.Tensor,
-    rule: ScoreRule,
+    rule: Rule,
     scaling: float,
     triton: bool = False,
 ) -> torch.Tensor:
@@ -390,8 +483,8 @@ def attend_held(
         output = decode_attention(query[:, :, 0], keys, values, held, attention, scaling)
     else:
         output = decode_attention_reference(query[:, :, 0], keys, values, held, attention, scaling)
-    if rule is ScoreRule.ACCUMULATE:
+    if rule.decode_votes == 0:
         scores += attention
-    elif rule is ScoreRule.CURRENT:
+    elif rule.decode_votes == 1:
         scores.copy_(torch.where(held, attention, scores))
     return output.unsqueeze(2)

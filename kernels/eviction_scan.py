@@ -1,9 +1,9 @@
-"""Chunked eviction attention: the per-row scan of the simulate and prefill protocols in one kernel.
+"""Chunked eviction attention: the decode phase's per-row scan in one kernel.
 
 One program per (sequence, KV head) walks the chunk's rows in order, as a cache fed token by token would:
 evict the lowest-scored unprotected slot if the cache is full (ties: the smallest position), admit the row's
-token, attend the group's G queries over the held slots (online softmax), add the probabilities into the scores
-(or replace them), and after the last prefill row compress the cache to its capacity. Held flags and scores stay
+token, attend the group's G queries over the held slots (online softmax), and add the probabilities into the
+scores, replace them, or leave them (the rule's ``decode_votes``). Held flags and scores stay
 with the program across rows (a per-program slice of global memory that lives in L1/L2), with a compact list of
 the held slots, so a row costs O(capacity), not O(slots); nothing of size rows x slots is ever materialised,
 where the PyTorch paths build the full logits first.
@@ -11,7 +11,7 @@ where the PyTorch paths build the full logits first.
 The reference is the mechanism's own definition, :func:`h2o_eval.eviction.attend_chunk_reference`; the
 arguments are the fields of its :class:`~h2o_eval.eviction.Chunk`. Shapes: query [B, Hq, n, D]; key, value
 [B, Hkv, N, D] (N = S state slots + n new); held [B, Hkv, N] bool; arriving [B, n] bool; position [B, Hkv, N]
-int64; scores [B, Hkv, N] float32; capacity, recent, sinks, prefill, compress_at [B] int64.
+int64; scores [B, Hkv, N] float32; capacity [B, Hkv] int64; recent, sinks [B] int64.
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 from h2o_eval.kernels.decode_attention import attend_group, group_block, update_scores
 
-ACCUMULATE = tl.constexpr(0)  # the score rules that read the attention: 0 adds it, 1 replaces; others ignore it
-CURRENT = tl.constexpr(1)
+REPLACE = tl.constexpr(1)  # decode votes: 0 adds the attention into the scores, 1 replaces them, 2 leaves them
 _NONE = tl.constexpr(2**62)
 
 
@@ -54,7 +53,7 @@ def _victim(list_base, scores_base, pos_base, count, now, recent, sinks, BLOCK_S
 @triton.jit
 def _eviction_scan_kernel(
     q_ptr, k_ptr, v_ptr, held_ptr, list_ptr, arriving_ptr, pos_ptr, scores_ptr, out_ptr, stuck_ptr,
-    capacity_ptr, recent_ptr, sinks_ptr, prefill_ptr, compress_ptr,
+    capacity_ptr, recent_ptr, sinks_ptr,
     n, slots, scaling,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_ks,
@@ -64,7 +63,7 @@ def _eviction_scan_kernel(
     stride_pb, stride_ph,
     stride_sb, stride_sh,
     stride_ob, stride_oh, stride_ot,
-    kv_heads: tl.constexpr, group: tl.constexpr, dim: tl.constexpr, RULE: tl.constexpr,
+    kv_heads: tl.constexpr, group: tl.constexpr, dim: tl.constexpr, VOTES: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0) // kv_heads
@@ -75,11 +74,9 @@ def _eviction_scan_kernel(
     list_base = list_ptr + b * stride_hb + h * stride_hh  # held slots first (compact); same layout as held
     pos_base = pos_ptr + b * stride_pb + h * stride_ph
     scores_base = scores_ptr + b * stride_sb + h * stride_sh
-    capacity = tl.load(capacity_ptr + b)
+    capacity = tl.load(capacity_ptr + b * kv_heads + h)
     recent = tl.load(recent_ptr + b)
     sinks = tl.load(sinks_ptr + b)
-    prefill = tl.load(prefill_ptr + b)
-    compress_at = tl.load(compress_ptr + b)
     g = tl.arange(0, BLOCK_G)
     g_ok = g < group
     d = tl.arange(0, dim)
@@ -95,7 +92,7 @@ def _eviction_scan_kernel(
         if tl.load(arriving_ptr + b * stride_ab + r) != 0:
             now = tl.load(pos_base + slot)
             entry = count  # where the new token goes in the held list: the end, or the victim's place
-            if (r >= prefill) & (count >= capacity):
+            if count >= capacity:
                 victim = _victim(list_base, scores_base, pos_base, count, now, recent, sinks, BLOCK_S)
                 if victim >= 0:
                     tl.store(held_base + tl.load(list_base + victim), 0)
@@ -113,22 +110,12 @@ def _eviction_scan_kernel(
                 q, k_base, v_base, held_base, list_base, out_base,
                 stride_ks, stride_vs, stride_oh, count, scaling, g_ok, dim, BLOCK_S, True,
             )  # fmt: skip
-            if RULE <= CURRENT:
+            if VOTES <= REPLACE:
                 update_scores(
                     q, k_base, held_base, list_base, scores_base,
-                    stride_ks, count, scaling, top, total, g_ok, RULE == CURRENT, dim, BLOCK_S, True,
+                    stride_ks, count, scaling, top, total, g_ok, VOTES == REPLACE, dim, BLOCK_S, True,
                 )  # fmt: skip
                 tl.debug_barrier()
-            if r == compress_at:
-                while (count > capacity) & (stuck == 0):
-                    victim = _victim(list_base, scores_base, pos_base, count, now, recent, sinks, BLOCK_S)
-                    if victim >= 0:
-                        tl.store(held_base + tl.load(list_base + victim), 0)
-                        tl.store(list_base + victim, tl.load(list_base + count - 1))
-                        count -= 1
-                    else:
-                        stuck = 1
-                    tl.debug_barrier()
         else:  # padding: never enters; its (unused) output is its own value, as if it attended to itself
             own = tl.load(v_base + slot * stride_vs + d).to(tl.float32)[None, :] + tl.zeros((BLOCK_G, dim), tl.float32)
             tl.store(out_base + g[:, None] * stride_oh + d[None, :], own, mask=g_ok[:, None])
@@ -146,15 +133,14 @@ def eviction_scan(
     capacity: torch.Tensor,
     recent: torch.Tensor,
     sinks: torch.Tensor,
-    prefill: torch.Tensor,
-    compress_at: torch.Tensor,
-    rule: int,
+    votes: int,
     scaling: float,
     block_slots: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the scan; returns (output [B, Hq, n, D] in the query's dtype, held, scores) like the reference.
 
-    ``rule``: ACCUMULATE or CURRENT read the attention into the scores; any other value leaves them as given.
+    ``votes`` (the rule's ``decode_votes``): 0 adds each row's attention into the scores, 1 replaces them, 2
+    leaves them as given.
     """
     batch, q_heads, n, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
@@ -167,10 +153,10 @@ def eviction_scan(
     scores = scores.float().clone().contiguous()
     output = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     stuck = torch.zeros(batch, kv_heads, dtype=torch.int32, device=query.device)
-    plan = [x.to(device=query.device, dtype=torch.int64).contiguous() for x in (capacity, recent, sinks, prefill)]
+    plan = [x.to(device=query.device, dtype=torch.int64).contiguous() for x in (capacity, recent, sinks)]
     _eviction_scan_kernel[(batch * kv_heads,)](
         query, key, value, held, held_list, arriving, position, scores, output, stuck,
-        *plan, compress_at.to(device=query.device, dtype=torch.int64).contiguous(),
+        *plan,
         n, slots, scaling,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
@@ -180,7 +166,7 @@ def eviction_scan(
         position.stride(0), position.stride(1),
         scores.stride(0), scores.stride(1),
         output.stride(0), output.stride(1), output.stride(2),
-        kv_heads=kv_heads, group=group, dim=dim, RULE=rule, BLOCK_G=group_block(group), BLOCK_S=block_slots,
+        kv_heads=kv_heads, group=group, dim=dim, VOTES=votes, BLOCK_G=group_block(group), BLOCK_S=block_slots,
     )  # fmt: skip
     if bool(stuck.any()):
         raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")

@@ -17,8 +17,8 @@ for _key, _value in {
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from h2o_eval.eviction import Chunk, random_scores  # noqa: E402
-from h2o_eval.policies import ScoreRule  # noqa: E402
+from h2o_eval.eviction import Chunk  # noqa: E402
+from h2o_eval.policies import Rule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("H2O_EVAL_DATA", REPO.parent / "shared" / "data"))
@@ -45,10 +45,22 @@ def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+RULES = {
+    "h2o": Rule(votes="all"),
+    "tova": Rule(votes="all", combine="replace"),
+    "static": Rule(),  # scores that need no attention (random, key norm), or recency alone
+    "snapkv": Rule(votes="window", window=3, pooling="max", kernel_size=3, grows=True),
+    "snapkv_avg": Rule(votes="window", window=2, pooling="avg", kernel_size=5, grows=True),
+    "adakv": Rule(votes="window", window=2, pooling="max", kernel_size=3, grows=True, safeguard=0.3),
+    "adakv_h2o": Rule(votes="all", safeguard=0.5),
+}
+
+
 def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=0, dim=16, dtype=torch.float32):
     """Random q/k/v and a Chunk: ``state`` held slots with random scores, ``n`` new tokens (``padding``: none,
-    left on the first sequence, right on the last), capacities, recent windows and sinks varying by sequence,
-    the first ``prefill`` rows prefill rows."""
+    left on the first sequence, right on the last), capacities varying by sequence and KV head (ragged heads),
+    recent windows and sinks varying by sequence, the first ``prefill`` rows prompt rows (``state`` must then be
+    0). New tokens start with random scores when the rule takes no votes (as key scores would), else 0."""
     gen = torch.Generator().manual_seed(seed)
     slots = state + n
     query = torch.randn(batch, q_heads, n, dim, generator=gen).to(dtype)
@@ -62,13 +74,11 @@ def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=
     new_position = state + arriving.cumsum(-1) - 1
     position = torch.cat([torch.arange(state).expand(batch, state), new_position.clamp(min=0)], -1)
     position = position.unsqueeze(1).expand(batch, kv_heads, slots).contiguous()
-    if rule is ScoreRule.RANDOM:
-        scores = random_scores(7, 3, position)
-    else:
-        scores = torch.cat([torch.rand(batch, kv_heads, state, generator=gen), torch.zeros(batch, kv_heads, n)], -1)
+    fresh = torch.rand(batch, kv_heads, n, generator=gen) if rule.votes == "none" else torch.zeros(batch, kv_heads, n)
+    scores = torch.cat([torch.rand(batch, kv_heads, state, generator=gen), fresh], -1)
     held = torch.zeros(batch, kv_heads, slots, dtype=torch.bool)
     held[..., :state] = True
-    capacity = torch.tensor([max(state, 3) + b for b in range(batch)])
+    capacity = torch.tensor([[max(state, 3) + b + 2 * (h % 2) for h in range(kv_heads)] for b in range(batch)])
     chunk = Chunk(
         held=held,
         arriving=arriving,
@@ -77,7 +87,7 @@ def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=
         capacity=capacity,
         recent=torch.tensor([1 + b % 2 for b in range(batch)]),
         sinks=torch.tensor([b % 2 for b in range(batch)]),
-        prefill=torch.full((batch,), prefill if prefill < 0 else min(prefill, n)).clamp(min=0),
+        prefill=torch.full((batch,), min(prefill, n)),
         rule=rule,
         scaling=dim**-0.5,
     )

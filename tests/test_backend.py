@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -11,6 +13,14 @@ from h2o_eval.errors import ConfigError
 FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt", "tiny-gpt-neox", "tiny-gpt2"]
 EVICTING = ["h2o", "local", "heavy", "streaming", "tova", "random"]
 ALL = ["full", *EVICTING, "h2o_reference"]
+# Compress the prompt, then keep every later token (prefill and context protocols only); small windows so that a
+# short test prompt is really compressed.
+PROMPT_ONLY = {
+    "snapkv": {"window": 4},
+    "pyramidkv": {"window": 4},
+    "adakv": {"window": 4},
+    "knorm": {},
+}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +59,11 @@ def test_full_and_whole_sequence_budgets_reproduce_the_unpatched_model(models, f
                 with patch(model, make_policy(name, budget=budget)):
                     patched = model(ids).logits
                 assert (patched - plain).abs().max() <= 1e-5, (name, budget)
+        for name, params in PROMPT_ONLY.items():
+            with patch(model, make_policy(name, budget=1.0, **params), protocol="prefill") as session:
+                session.context_lengths = [16, 16]
+                patched = model(ids).logits
+            assert (patched - plain).abs().max() <= 1e-5, name
         assert torch.equal(model(ids).logits, plain), "the model changed after patch() exited"
 
 
@@ -72,14 +87,14 @@ def test_simulate_equals_token_by_token_eviction_cache(models, family, name, ker
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-opt"])
-@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova"])
+@pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova", *PROMPT_ONLY])
 def test_prefill_protocol_equals_prefill_compress_then_decode(models, family, name):
     """Reference: EvictionCache(protocol="prefill") fed the 40-token context as one chunk, then one token at a
     time; implementation: patch(prefill), one forward with the context length set. Budget 0.25 of the context:
-    C = 10, so the continuation's 24 tokens each evict one."""
+    C = 10, so the continuation's 24 tokens each evict one (or, for policies that grow, are all kept)."""
     model = models(family)
     ids = tokens(1, 64, seed=2)
-    policy = make_policy(name, budget=0.25)
+    policy = make_policy(name, budget=0.25, **PROMPT_ONLY.get(name, {}))
     with torch.no_grad(), patch(model, policy, protocol="prefill") as session:
         session.context_lengths = [40]
         one_pass = model(ids).logits
@@ -224,6 +239,100 @@ def test_h2o_reference_is_simulate_only(models):
         pass
     with pytest.raises(ConfigError, match="exists only as a simulation"):
         EvictionCache(models("tiny-llama"), make_policy("h2o_reference"))
+
+
+@pytest.mark.parametrize("name", list(PROMPT_ONLY))
+def test_prompt_compressing_policies_refuse_simulate_in_one_line(models, name):
+    model = models("tiny-llama")
+    with (
+        pytest.raises(ConfigError, match=rf"^policy '{name}' exists only in the prefill and context protocols: use "),
+        patch(model, make_policy(name), protocol="simulate"),
+    ):
+        pass
+    with pytest.raises(ConfigError, match="exists only in the prefill and context protocols"):
+        EvictionCache(model, make_policy(name, budget=8))
+
+
+def eager_attentions(model, ids):
+    """The unpatched model's own attention probabilities, per layer [B, Hq, T, T] (eager, output_attentions)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        return model(ids, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+def test_snapkv_keeps_the_window_and_the_top_pooled_window_votes(models, pooling):
+    """Independent path: the unpatched model's eager attention; the last 6 rows' probabilities summed over rows
+    and the KV head's query heads, pooled with torch's own max_pool1d / avg_pool1d over the positions before the
+    window, top 6 by (score, position). The EvictionCache after the prompt must hold exactly those plus the window."""
+    model = models("tiny-llama")
+    ids = tokens(1, 40, seed=7)
+    policy = make_policy("snapkv", budget=12, window=6, kernel_size=5, pooling=pooling)
+    cache = EvictionCache(model, policy, protocol="prefill")
+    model(ids, past_key_values=cache, use_cache=True)
+    pool = torch.nn.functional.max_pool1d if pooling == "max" else torch.nn.functional.avg_pool1d
+    for layer, weights in enumerate(eager_attentions(model, ids)):
+        votes = weights[0, :, -6:, :34].view(2, 2, 6, 34).sum(dim=(1, 2))  # [KV heads, positions before the window]
+        pooled = pool(votes.unsqueeze(1), 5, stride=1, padding=2).squeeze(1)
+        for head in range(2):
+            ranked = sorted(range(34), key=lambda j: (-float(pooled[head, j]), -j))
+            expected = sorted(ranked[:6] + list(range(34, 40)))
+            held = cache.layers[layer].position[0, head][cache.layers[layer].held[0, head]]
+            assert sorted(held.tolist()) == expected
+
+
+@torch.no_grad()
+def test_knorm_keeps_the_smallest_key_norms_and_the_recent_window(models):
+    """Independent path: the keys a plain transformers DynamicCache holds after the unpatched prompt (post-RoPE,
+    as the attention sees them); knorm at C = 10 keeps the 5 recent tokens plus the 5 smallest-norm others."""
+    from transformers import DynamicCache
+
+    model = models("tiny-llama")
+    ids = tokens(1, 30, seed=8)
+    plain = DynamicCache(config=model.config)
+    model(ids, past_key_values=plain, use_cache=True)
+    cache = EvictionCache(model, make_policy("knorm", budget=10), protocol="prefill")
+    model(ids, past_key_values=cache, use_cache=True)
+    for layer in range(2):
+        norms = plain.layers[layer].keys[0].norm(dim=-1)  # [KV heads, 30]
+        for head in range(2):
+            smallest = norms[head, :25].argsort()[:5].tolist()
+            held = cache.layers[layer].position[0, head][cache.layers[layer].held[0, head]]
+            assert sorted(held.tolist()) == sorted(smallest + list(range(25, 30)))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", [*PROMPT_ONLY, "h2o", "tova", "streaming"])
+def test_capacity_after_the_prompt_holds_at_every_step_per_layer_and_head(models, name):
+    """Prefill 30 tokens at C = 12, then 10 decode steps. Evicting policies hold exactly C per (layer, head) at
+    every step; policies that grow hold what compression kept plus every later token: per layer (PyramidKV's C
+    falls with depth), per head (Ada-KV's heads differ, their layer summing to Hkv * C)."""
+    model = models("tiny-llama")
+    policy = make_policy(name, budget=12, **PROMPT_ONLY.get(name, {}))
+    ids = tokens(2, 40, seed=9)
+    cache = EvictionCache(model, policy, protocol="prefill")
+    model(ids[:, :30], past_key_values=cache, use_cache=True)
+    after_prompt = [layer.held.sum(-1).clone() for layer in cache.layers]
+    for layer, held in enumerate(after_prompt):
+        planned = policy.plan(30, layer, 2).capacity
+        if name == "adakv":
+            assert (held.sum(-1) == 2 * planned).all() and (held >= 4).all()
+        else:
+            assert (held == planned).all()
+    if name == "pyramidkv":
+        assert after_prompt[0].float().mean() > after_prompt[1].float().mean()
+    for step in range(30, 40):
+        model(ids[:, step : step + 1], past_key_values=cache, use_cache=True)
+        for layer, held in zip(cache.layers, after_prompt, strict=True):
+            grown = step - 29 if name in PROMPT_ONLY else 0
+            assert torch.equal(layer.held.sum(-1), held + grown)
+            recent = set(range(step + 1 - policy.plan(30).recent, step + 1))
+            for b, h in itertools.product(range(2), range(2)):
+                assert recent <= set(layer.position[b, h][layer.held[b, h]].tolist())
 
 
 def test_fraction_budget_without_a_length_is_refused_token_by_token(models):

@@ -6,14 +6,13 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_chunk
+from conftest import RULES, make_chunk
 from h2o_eval.kernels.column_scores import column_scores
 from h2o_eval.kernels.decode_attention import decode_attention
 from h2o_eval.kernels.eviction_scan import eviction_scan
 from h2o_eval.kernels.reference import column_scores_reference, decode_attention_reference
 
-from h2o_eval.eviction import _RULE_CODE, _compress_rows, attend_chunk_reference
-from h2o_eval.policies import ScoreRule
+from h2o_eval.eviction import attend_chunk_reference, attend_chunk_triton
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 HEADS = [(4, 4), (6, 2), (8, 2)]  # (query heads, KV heads): GQA ratios 1, 3, 4
@@ -49,52 +48,71 @@ def test_column_scores_kernel_equals_reference(batch, heads, length, dim, dtype,
 
 
 SCAN_GRID = [
-    # batch, heads, new tokens, state slots, prefill rows, padding, head dim, dtype
-    (2, (4, 4), 17, 0, 0, "left", 64, torch.float32),
-    (1, (6, 2), 9, 5, 0, "none", 64, torch.float32),
-    (2, (8, 2), 13, 0, 4, "right", 64, torch.float32),
-    (1, (6, 2), 11, 0, 99, "right", 64, torch.float32),
-    (1, (8, 2), 1, 6, 0, "none", 128, torch.float32),
-    (1, (6, 2), 15, 3, 0, "none", 128, torch.float16),
-    (1, (8, 2), 15, 0, 0, "none", 64, torch.bfloat16),
+    # batch, heads, new tokens, state slots, padding, head dim, dtype
+    (2, (4, 4), 17, 0, "left", 64, torch.float32),
+    (1, (6, 2), 9, 5, "none", 64, torch.float32),
+    (2, (8, 2), 13, 0, "right", 64, torch.float32),
+    (1, (8, 2), 1, 6, "none", 128, torch.float32),
+    (1, (6, 2), 15, 3, "none", 128, torch.float16),
+    (1, (8, 2), 15, 0, "none", 64, torch.bfloat16),
 ]
 
 
-@pytest.mark.parametrize(("batch", "heads", "n", "state", "prefill", "padding", "dim", "dtype"), SCAN_GRID)
-@pytest.mark.parametrize("rule", list(ScoreRule))
-def test_eviction_scan_kernel_equals_reference(batch, heads, n, state, prefill, padding, dim, dtype, rule):
-    """Reference: attend_chunk_reference (the mechanism's definition, a torch loop over rows); implementation:
-    the Triton scan (one program per sequence and KV head). Capacities of 3-4 slots force an eviction on
-    nearly every row; 64-slot blocks hold every slot here, the decode test above covers the block edges."""
-    query, key, value, chunk = make_chunk(batch, *heads, n, state, rule, prefill, padding, dim=dim, dtype=dtype)
-    out_ref, held_ref, scores_ref = attend_chunk_reference(query, key, value, chunk)
-    out, held, scores = eviction_scan(
+def run_scan(query, key, value, chunk, **kwargs):
+    return eviction_scan(
         query, key, value, chunk.held, chunk.arriving, chunk.position, chunk.scores, chunk.capacity,
-        chunk.recent, chunk.sinks, chunk.prefill, _compress_rows(chunk, n), _RULE_CODE[rule], chunk.scaling,
+        chunk.recent, chunk.sinks, chunk.rule.decode_votes, chunk.scaling, **kwargs,
     )  # fmt: skip
-    assert torch.equal(held, held_ref)
+
+
+@pytest.mark.parametrize(("batch", "heads", "n", "state", "padding", "dim", "dtype"), SCAN_GRID)
+@pytest.mark.parametrize("rule", ["h2o", "tova", "static"])
+def test_eviction_scan_kernel_equals_reference(batch, heads, n, state, padding, dim, dtype, rule):
+    """Reference: attend_chunk_reference (the mechanism's definition, a torch loop over rows); implementation:
+    the Triton scan of the decode rows (one program per sequence and KV head). Capacities of 3-6 slots, different
+    per KV head, force an eviction on nearly every row; 64-slot blocks hold every slot here, the test below and
+    the decode test cover the block edges."""
+    query, key, value, chunk = make_chunk(batch, *heads, n, state, RULES[rule], 0, padding, dim=dim, dtype=dtype)
+    expected = attend_chunk_reference(query, key, value, chunk)
+    out, held, scores = run_scan(query, key, value, chunk)
+    assert torch.equal(held, expected.held)
     rows = chunk.arriving.view(batch, 1, n, 1).expand_as(out)
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out[rows].float(), out_ref[rows].float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(scores[held], scores_ref[held], rtol=1e-5, atol=1e-5)
-    assert (held.sum(-1) <= torch.maximum(chunk.capacity.view(-1, 1), torch.tensor(state))).all()
+    torch.testing.assert_close(out[rows].float(), expected.output[rows].float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(scores[held], expected.scores[held], rtol=1e-5, atol=1e-5)
+    assert (held.sum(-1) <= torch.maximum(chunk.capacity, torch.tensor(state))).all()
 
 
 def test_eviction_scan_kernel_crosses_slot_blocks():
     """Reference: attend_chunk_reference; implementation: the Triton scan with 16-slot blocks. The first
     sequence holds up to 33 slots, so its victim search, softmax and score update span three blocks of the held
     list, the last one partial; the second (capacity 9) evicts on most rows."""
-    query, key, value, chunk = make_chunk(2, 6, 2, 30, 7, ScoreRule.ACCUMULATE, 0, "left", dim=64)
-    chunk.capacity = torch.tensor([33, 9])
-    out_ref, held_ref, scores_ref = attend_chunk_reference(query, key, value, chunk)
-    out, held, scores = eviction_scan(
-        query, key, value, chunk.held, chunk.arriving, chunk.position, chunk.scores, chunk.capacity,
-        chunk.recent, chunk.sinks, chunk.prefill, _compress_rows(chunk, 30), 0, chunk.scaling, block_slots=16,
-    )  # fmt: skip
-    assert torch.equal(held, held_ref)
+    query, key, value, chunk = make_chunk(2, 6, 2, 30, 7, RULES["h2o"], 0, "left", dim=64)
+    chunk.capacity = torch.tensor([[33, 33], [9, 9]])
+    expected = attend_chunk_reference(query, key, value, chunk)
+    out, held, scores = run_scan(query, key, value, chunk, block_slots=16)
+    assert torch.equal(held, expected.held)
     rows = chunk.arriving.view(2, 1, 30, 1).expand_as(out)
-    torch.testing.assert_close(out[rows], out_ref[rows], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(scores[held], scores_ref[held], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[rows], expected.output[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores[held], expected.scores[held], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize(
+    ("batch", "heads", "n", "prefill", "padding"),
+    [(2, (6, 2), 21, 13, "right"), (1, (8, 2), 17, 99, "none"), (2, (4, 4), 19, 11, "left")],
+)
+def test_triton_path_equals_reference_with_prompt_and_compression(rule, batch, heads, n, prefill, padding):
+    """Reference: attend_chunk_reference; implementation: attend_chunk_triton, the whole mechanism on the Triton
+    kernels: the prompt's votes from column_scores, compression (pooling, Ada-KV's shared slots), then the decode
+    rows through eviction_scan (or plain masked attention for rules that grow), with ragged heads and padding."""
+    query, key, value, chunk = make_chunk(batch, *heads, n, 0, RULES[rule], prefill, padding, dim=64)
+    expected = attend_chunk_reference(query, key, value, chunk)
+    result = attend_chunk_triton(query, key, value, chunk)
+    rows = chunk.arriving.view(batch, 1, n, 1).expand_as(result.output)
+    torch.testing.assert_close(result.output[rows], expected.output[rows], rtol=1e-5, atol=1e-5)
+    assert torch.equal(result.held, expected.held)
+    assert torch.equal(result.capacity, expected.capacity) and torch.equal(result.kept, expected.kept)
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import POLICIES, Plan, make_policy
+from h2o_eval.policies import POLICIES, UNBOUNDED, Plan, Rule, make_policy
 
 
 @pytest.mark.parametrize(
@@ -41,7 +42,12 @@ def test_capacity_rounds_fractions_up_and_counts_tokens_for_integers(budget, len
         ("streaming", {}, 100, Plan(capacity=20, recent=16, sinks=4)),
         ("streaming", {"sinks": 4}, 10, Plan(capacity=2, recent=1, sinks=1)),
         ("random", {"seed": 3}, 100, Plan(capacity=20, recent=10)),
-        ("full", {}, 100, Plan(capacity=100, recent=100)),
+        ("full", {}, 100, Plan(capacity=UNBOUNDED, recent=UNBOUNDED)),
+        ("snapkv", {}, 1000, Plan(capacity=200, recent=32)),
+        ("snapkv", {"window": 64}, 100, Plan(capacity=20, recent=20)),  # C <= window keeps the last C
+        ("knorm", {"heavy_ratio": 0.25}, 100, Plan(capacity=20, recent=15)),
+        ("adakv", {"base": "knorm"}, 100, Plan(capacity=20, recent=10)),
+        ("h2o_reference", {}, 100, Plan(capacity=21, recent=11)),
     ],
 )
 def test_plans(name, params, length, plan):
@@ -52,9 +58,12 @@ def test_every_plan_leaves_room_for_an_eviction_candidate():
     for name in POLICIES:
         for length in (1, 2, 5, 17, 64):
             for budget in (0.05, 0.2, 0.5, 1.0, 1, 3):
-                plan = make_policy(name, budget=budget).plan(length)
-                assert plan.recent >= 1 and plan.recent + plan.sinks <= plan.capacity
-                assert plan.capacity <= length or isinstance(budget, int) or name == "full"
+                params = {"sinks": min(4, budget - 1)} if name == "streaming" and isinstance(budget, int) else {}
+                policy = make_policy(name, budget=budget, **params)
+                for layer in range(3):
+                    plan = policy.plan(length, layer, 3)
+                    assert plan.recent >= 1 and plan.recent + plan.sinks <= plan.capacity
+                    assert plan.capacity <= length or isinstance(budget, int) or name == "full"
 
 
 def test_unknown_policy_lists_the_valid_names():
@@ -85,3 +94,75 @@ def test_bad_budgets_are_refused(budget):
 )
 def test_h2o_reference_budgets_truncate_like_the_authors(budget, heavy_ratio, length, budgets):
     assert make_policy("h2o_reference", budget=budget, heavy_ratio=heavy_ratio).budgets(length) == budgets
+
+
+@pytest.mark.parametrize(
+    ("budget", "length", "layers", "capacities"),
+    [
+        # C = 20, window 4: 16 beyond it per layer on average. low = floor(16 / 20) = 0, high = 32 - 0 = 32; the
+        # linear values 32, 24, 16, 8, 0 are integers already.
+        (20, 100, 5, [36, 28, 20, 12, 4]),
+        # 4 layers: 32, 21.33, 10.67, 0 -> floors 32, 21, 10, 0 (63); the one missing goes to the largest remainder
+        # (10.67), so the layers sum to exactly 4 * 16.
+        (20, 100, 4, [36, 25, 15, 4]),
+        # A short prompt: C = 14 of 20, 10 beyond the window; high = 20 - 0 >= 20 - 4, so high = 16 and
+        # low = 2 * 10 - 16 = 4, as in the authors' code: 16, 10, 4.
+        (0.7, 20, 3, [20, 14, 8]),
+    ],
+)
+def test_pyramidkv_capacities_fall_linearly_and_average_to_c(budget, length, layers, capacities):
+    policy = make_policy("pyramidkv", budget=budget, window=4)
+    assert [policy.plan(length, layer, layers).capacity for layer in range(layers)] == capacities
+    assert sum(capacities) == layers * policy.capacity(length)
+    assert all(policy.plan(length, layer, layers).recent == 4 for layer in range(layers))
+
+
+def test_policies_state_their_rules_as_data():
+    assert make_policy("h2o").rule == Rule(votes="all")
+    assert make_policy("tova").rule == Rule(votes="all", combine="replace")
+    assert make_policy("snapkv", window=8, pooling="avg", kernel_size=5).rule == Rule(
+        votes="window", window=8, pooling="avg", kernel_size=5, grows=True
+    )
+    assert make_policy("adakv", alpha=0.3).rule.safeguard == 0.3
+    assert make_policy("adakv", base="knorm").rule == Rule(grows=True, safeguard=0.2)
+    assert make_policy("local").rule == make_policy("full").rule == Rule()
+
+
+def test_prompt_votes_weight_all_rows_the_last_or_the_window():
+    """Two prompts of 5 and 3 real rows (the second right-padded, then one row past its prompt)."""
+    rows = torch.tensor([[True] * 5 + [False], [True, True, True, False, False, False]])
+    assert Rule(votes="all").prompt_weights(rows).tolist() == rows.float().tolist()
+    last = [[0, 0, 0, 0, 1, 0], [0, 0, 1, 0, 0, 0]]
+    assert Rule(votes="all", combine="replace").prompt_weights(rows).tolist() == last
+    assert Rule(votes="window", window=2).prompt_weights(rows).tolist() == [[0, 0, 0, 1, 1, 0], [0, 1, 1, 0, 0, 0]]
+    assert Rule().prompt_weights(rows) is None
+
+
+def test_key_norm_scores_are_the_negative_l2_norms():
+    key = torch.tensor([[[[3.0, 4.0], [0.0, 1.0]]]])
+    assert make_policy("knorm").key_scores(key, torch.zeros(1, 1, 2), 0).tolist() == [[[-5.0, -1.0]]]
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("streaming", {"sinks": -1}, r"^streaming: sinks=-1: use an integer >= 0$"),
+        ("streaming", {"sinks": 1.5}, r"^streaming: sinks=1.5: use an integer >= 0$"),
+        ("streaming", {"sinks": 100, "budget": 3}, r"sinks=100 leaves no slot .* use sinks <= 2 or a larger budget"),
+        ("h2o", {"heavy_ratio": "half"}, r"heavy_ratio='half': use a number in \[0, 1\]$"),
+        ("h2o", {"heavy_ratio": 1.5}, r"heavy_ratio=1.5"),
+        ("random", {"seed": 0.5}, r"seed=0.5: use an integer"),
+        ("snapkv", {"window": 0}, r"window=0: use an integer >= 1"),
+        ("snapkv", {"kernel_size": 4}, r"kernel_size=4: use an odd size"),
+        ("snapkv", {"pooling": "min"}, r"pooling='min': use one of max, avg"),
+        ("pyramidkv", {"beta": 0.5}, r"beta=0.5: use a number >= 1"),
+        ("adakv", {"alpha": 2}, r"alpha=2: use a number in \[0, 1\]$"),
+        ("adakv", {"base": "local"}, r"base='local': use one of snapkv, pyramidkv, knorm"),
+        ("adakv", {"base": "nope"}, r"base='nope': use one of snapkv"),
+        ("adakv", {"sinks": 2}, r"policy 'snapkv' takes no sinks"),
+    ],
+)
+def test_every_policy_parameter_is_checked_in_one_line(name, params, message):
+    params = dict(params)
+    with pytest.raises(ConfigError, match=message):
+        make_policy(name, budget=params.pop("budget", 0.2), **params)

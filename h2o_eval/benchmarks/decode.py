@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_eval.backend import EvictionCache
+from h2o_eval.cache import EvictionCache
 from h2o_eval.models import load_model
 from h2o_eval.policies import make_policy
 

@@ -26,7 +26,7 @@ import torch
 
 from h2o_eval.eviction import Chunk, attend_chunk_reference
 from h2o_eval.kernels.reference import column_scores_reference, decode_attention_reference
-from h2o_eval.policies import ScoreRule, make_policy
+from h2o_eval.policies import make_policy
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 DEVICE = torch.device("cuda")
@@ -123,15 +123,18 @@ def scan_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None:
         arriving=torch.ones(args.batch, length, dtype=torch.bool, device=DEVICE),
         position=torch.arange(length, device=DEVICE).expand(args.batch, args.kv_heads, length).contiguous(),
         scores=torch.zeros(args.batch, args.kv_heads, length, dtype=torch.float32, device=DEVICE),
-        capacity=per_sequence * plan.capacity,
+        capacity=(per_sequence * plan.capacity).view(-1, 1).expand(-1, args.kv_heads).contiguous(),
         recent=per_sequence * plan.recent,
         sinks=per_sequence * 0,
         prefill=per_sequence * 0,
-        rule=ScoreRule.ACCUMULATE,
+        rule=make_policy("h2o").rule,
         scaling=args.dim**-0.5,
     )
-    output, held, scores = attend_chunk_triton(query, key, value, chunk)
-    traffic = nbytes(query, key, value, chunk.held, chunk.arriving, chunk.position, chunk.scores, output, held, scores)
+    result = attend_chunk_triton(query, key, value, chunk)
+    traffic = nbytes(
+        query, key, value, chunk.held, chunk.arriving, chunk.position, chunk.scores, result.output, result.held,
+        result.scores,
+    )  # fmt: skip
     logits_bytes = args.batch * args.heads * length * length * 4
     fits = logits_bytes < 0.5 * torch.cuda.mem_get_info()[0]
     report(

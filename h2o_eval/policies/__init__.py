@@ -1,0 +1,88 @@
+"""Eviction policies: small declarative settings over one mechanism (see ``h2o_eval.eviction``).
+
+One file per policy: a frozen dataclass whose fields are its hyper-parameters, whose :class:`Rule` and
+:class:`Plan` the mechanism reads. Adding a policy is its file, one entry in :data:`POLICIES`, its
+``conf/policy/<name>.yaml`` and its tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from h2o_eval.errors import ConfigError
+from h2o_eval.policies.adakv import AdaKV
+from h2o_eval.policies.base import (
+    KERNELS,
+    PROTOCOLS,
+    UNBOUNDED,
+    Plan,
+    Policy,
+    Rule,
+    check_kernels,
+    check_protocol,
+)
+from h2o_eval.policies.full import Full
+from h2o_eval.policies.h2o import H2O, Heavy
+from h2o_eval.policies.h2o_reference import H2OReference
+from h2o_eval.policies.knorm import KNorm
+from h2o_eval.policies.local import Local
+from h2o_eval.policies.pyramidkv import PyramidKV
+from h2o_eval.policies.random import Random
+from h2o_eval.policies.snapkv import SnapKV
+from h2o_eval.policies.streaming import Streaming
+from h2o_eval.policies.tova import TOVA
+
+POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls
+    for cls in (Full, H2O, Local, Heavy, Streaming, TOVA, Random, H2OReference, SnapKV, PyramidKV, AdaKV, KNorm)
+}
+
+__all__ = [
+    "KERNELS",
+    "POLICIES",
+    "PROTOCOLS",
+    "UNBOUNDED",
+    "Plan",
+    "Policy",
+    "Rule",
+    "check_kernels",
+    "check_protocol",
+    "make_policy",
+]
+
+
+def _parameters(cls: type[Policy]) -> set[str]:
+    return {f.name for f in fields(cls)} - {"budget"}
+
+
+def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
+    """The policy ``name`` with ``budget`` and its own parameters (``heavy_ratio``, ``sinks``, ``window`` ...).
+
+    ``adakv`` takes ``base`` (a policy name, ``snapkv`` by default) and ``alpha``; its other parameters go to
+    the base policy.
+    """
+    if name not in POLICIES:
+        raise ConfigError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")
+    cls = POLICIES[name]
+    if cls is AdaKV:
+        own = {key: params.pop(key) for key in ("alpha",) if key in params}
+        base = params.pop("base", "snapkv")
+        if base not in POLICIES or base == name:
+            raise ConfigError(f"adakv: base={base!r}: use one of {', '.join(adakv_bases())}")
+        return AdaKV(budget=budget, base=make_policy(base, budget, **params), **own)
+    allowed = _parameters(cls)
+    if unknown := set(params) - allowed:
+        raise ConfigError(
+            f"policy {name!r} takes no {', '.join(sorted(unknown))}: its parameters are "
+            f"{', '.join(sorted(allowed)) or 'budget only'}"
+        )
+    if cls is Full:
+        return Full()
+    return cls(budget=budget, **params)
+
+
+def adakv_bases() -> tuple[str, ...]:
+    from h2o_eval.policies.adakv import BASES
+
+    return BASES
