@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import data, generation, harness, hub, results, tracking
+from h2o_eval.conf import task_default
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_kernels, check_protocol, make_policy
 
-DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill"}
 TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of the sequence is worth a warning
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -36,16 +36,16 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
         raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
     generating = config["task"]["kind"] == "generation"
-    num_fewshot = config["num_fewshot"]
-    if num_fewshot is None:
-        num_fewshot = generation.template(config["task"])["num_fewshot"] if generating else 0
+    num_fewshot = (
+        task_default(config["task"], "num_fewshot") if config["num_fewshot"] is None else config["num_fewshot"]
+    )
     if not _is_int(num_fewshot) or num_fewshot < 0:
         raise ConfigError(f"num_fewshot={num_fewshot!r}: use an integer >= 0")
     if not _is_int(config["batch_size"]) or config["batch_size"] < 1:
         raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
     if not _is_int(config["seed"]):
         raise ConfigError(f"seed={config['seed']!r}: use an integer")
-    protocol = config["protocol"] or DEFAULT_PROTOCOL[config["task"]["kind"]]
+    protocol = config["protocol"] or task_default(config["task"], "protocol")
     if generating and not policy.has_cache:
         raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
     check_protocol(policy, protocol, config["kernels"])

@@ -84,9 +84,16 @@ def test_cli_runs_records_logs_and_skips_the_rerun(tmp_path, data_dir):
 
 
 def test_cfg_job_shows_the_resolved_config_from_any_directory(tmp_path):
-    done = h2o_eval("--cfg", "job", "model=tiny-opt", "task=rte", cwd=tmp_path)
+    done = h2o_eval("--cfg", "job", "--resolve", "model=tiny-opt", "task=rte", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "name: tiny-opt" in done.stdout and "lm_eval_yaml: glue/rte/default.yaml" in done.stdout
+    assert "\nprotocol: simulate\n" in done.stdout and "\nnum_fewshot: 0\n" in done.stdout
+
+
+def test_cfg_job_shows_the_defaults_a_summarisation_run_will_use(tmp_path):
+    done = h2o_eval("--cfg", "job", "--resolve", "task=xsum", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "\nprotocol: prefill\n" in done.stdout and "\nnum_fewshot: 5\n" in done.stdout
 
 
 @pytest.mark.parametrize(("group", "valid"), [("model", "smollm2-135m"), ("task", "winogrande"), ("policy", "full")])
