@@ -347,3 +347,21 @@ def test_a_tiny_integer_budget_is_pointed_out(capsys):
     _warn_tiny_budget({**record, "capacity": {"kept_fraction_mean": 0.5}})
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("warning: budget=1 is a number of tokens and kept 4% of the sequence")
+
+
+def test_hub_model_and_data_without_a_connection_are_refused_at_once(tmp_path, data_dir, monkeypatch, no_model_loading):
+    """Not offline by setting, but no network: a connection probe, instead of a minute of retries."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://hub.invalid")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match=r"task=copa reads aps/super_glue .*hub\.invalid is unreachable.*data_dir"):
+        run(make_config(None, tmp_path, task="copa"), tmp_path)
+    with pytest.raises(
+        ConfigError, match=r"model=llama-7b: huggyllama/llama-7b is not in .*hub\.invalid is unreachable"
+    ):
+        run(make_config(data_dir, tmp_path, model="llama-7b"), tmp_path)
+    assert time.monotonic() - began < 10
