@@ -45,19 +45,19 @@ def check_model(name: str, hf_id: str) -> None:
 
 
 def check_dataset(task: str, path: str) -> None:
-    """Hub data (no ``data_dir``) must be in the local cache or downloadable now."""
+    """Hub data (no ``data_dir``) must be in a local cache (the hub's downloads or ``datasets``' prepared
+    copies) or downloadable now."""
+    import datasets.config
     from huggingface_hub import constants
 
-    if (Path(constants.HF_HUB_CACHE) / f"datasets--{path.replace('/', '--')}").is_dir():
+    cached = (
+        Path(constants.HF_HUB_CACHE) / f"datasets--{path.replace('/', '--')}",
+        Path(datasets.config.HF_DATASETS_CACHE) / path.replace("/", "___"),
+    )
+    if any(folder.is_dir() for folder in cached):
         return
-    if reason := "HF_DATASETS_OFFLINE=1" if _datasets_offline() else unreachable():
+    if reason := "HF_DATASETS_OFFLINE=1" if datasets.config.HF_DATASETS_OFFLINE else unreachable():
         raise ConfigError(
             f"task={task} reads {path} from the Hugging Face hub, which is not cached here and {reason}: "
             f"set data_dir to a folder holding {task}/<split>.jsonl"
         )
-
-
-def _datasets_offline() -> bool:
-    import datasets.config
-
-    return bool(datasets.config.HF_DATASETS_OFFLINE)

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import make_config
 
-from h2o_eval import results, tracking
+from h2o_eval import hub, results, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.run import _warn_tiny_budget, execute, run, validate
 
@@ -365,3 +365,18 @@ def test_hub_model_and_data_without_a_connection_are_refused_at_once(tmp_path, d
     ):
         run(make_config(data_dir, tmp_path, model="llama-7b"), tmp_path)
     assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("cache", ["hub", "datasets"])
+def test_hub_data_in_a_local_cache_is_accepted_offline(tmp_path, monkeypatch, cache):
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
+    with pytest.raises(ConfigError, match="aps/super_glue from the Hugging Face hub, which is not cached here"):
+        hub.check_dataset("copa", "aps/super_glue")
+    folder = {"hub": "hub/datasets--aps--super_glue", "datasets": "datasets/aps___super_glue"}[cache]
+    (tmp_path / folder).mkdir(parents=True)
+    hub.check_dataset("copa", "aps/super_glue")
