@@ -380,3 +380,13 @@ def test_hub_data_in_a_local_cache_is_accepted_offline(tmp_path, monkeypatch, ca
     folder = {"hub": "hub/datasets--aps--super_glue", "datasets": "datasets/aps___super_glue"}[cache]
     (tmp_path / folder).mkdir(parents=True)
     hub.check_dataset("copa", "aps/super_glue")
+
+
+def test_summarisation_progress_counts_documents(tmp_path, data_dir, capsys):
+    config = make_config(
+        data_dir, tmp_path, model="tiny-llama", task="xsum", limit=3, batch_size=2, **{"generation.max_new_tokens": 2}
+    )
+    run(config, tmp_path / "work")
+    progress = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert [line for line in progress if "generating xsum" in line][-1].startswith("generating xsum: 100%")
+    assert any("| 3/3 " in line and "doc" in line for line in progress)  # documents, not 2 batches
