@@ -70,6 +70,53 @@ def build_prompts(
     return prompts
 
 
+def split_question(prompt: str, question: str) -> tuple[str, str]:
+    """(context, question) of a prompt that ends with ``question`` (the instruction that follows the document)."""
+    if not prompt.endswith(question):
+        raise ConfigError(f"protocol=context: the prompt does not end with its question {question!r}")
+    return prompt[: len(prompt) - len(question)], question
+
+
+def encode(tokenizer: Any, parts: list[tuple[str, str]], protocol: str, device: Any) -> tuple[Any, Any, int | None]:
+    """A batch of (context, question) prompts as left-padded ``input_ids`` and ``attention_mask``, and, for the
+    ``context`` protocol, the width of the context columns: contexts and questions are tokenized apart (the
+    question without special tokens), and every question must have the same length, so that the contexts end in
+    one column. Other protocols tokenize each prompt whole (width None)."""
+    import torch
+
+    if protocol != "context":
+        batch = tokenizer([c + q for c, q in parts], return_tensors="pt", padding=True).to(device)
+        return batch.input_ids, batch.attention_mask, None
+    contexts = [tokenizer(c).input_ids for c, _ in parts]
+    questions = [tokenizer(q, add_special_tokens=False).input_ids for _, q in parts]
+    if len({len(q) for q in questions}) != 1:
+        raise ValueError("a context-protocol batch needs questions of one length: batch them by length")
+    width = max(len(c) for c in contexts)
+    pad = tokenizer.pad_token_id
+    ids = [[pad] * (width - len(c)) + c + q for c, q in zip(contexts, questions, strict=True)]
+    mask = [[0] * (width - len(c)) + [1] * (len(c) + len(q)) for c, q in zip(contexts, questions, strict=True)]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), width
+
+
+def generate(model: Any, cache: Any, input_ids: Any, attention_mask: Any, context_width: int | None, **kwargs: Any):
+    """``model.generate`` through ``cache``. With a ``context_width``, the context columns are fed first as one
+    chunk (the cache prefills and compresses them before the question exists); ``generate`` then feeds the
+    question under the policy's decoding rule, and decodes."""
+    import torch
+
+    with torch.no_grad():
+        if context_width is not None and context_width < input_ids.shape[1]:  # an empty question: as prefill
+            mask = attention_mask[:, :context_width]
+            model(
+                input_ids[:, :context_width],
+                attention_mask=mask,
+                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                past_key_values=cache,
+                use_cache=True,
+            )
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
+
+
 def rouge(predictions: list[str], references: list[str]) -> list[dict[str, float]]:
     """Per-document ROUGE-1/2/L F-measures with stemming (``rouge-score``)."""
     from rouge_score import rouge_scorer
@@ -109,6 +156,7 @@ def summarise(
     max_words = settings["max_words"] or form["max_words"]
     max_new_tokens = settings["max_new_tokens"] or form["max_new_tokens"]
     prompts = build_prompts(documents, form, indices, num_fewshot, seed, max_words)
+    parts = [split_question(p, form["question"]) if protocol == "context" else (p, "") for p in prompts]
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
     config = model.config
@@ -120,26 +168,28 @@ def summarise(
     generated_tokens = decode_seconds = peak_entries = full_entries = 0
     progress = tqdm(total=len(indices), desc=f"generating {task['name']}", unit="doc")
     for start in range(0, len(indices), batch_size):
-        batch = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True).to(device)
+        input_ids, attention_mask, width = encode(tokenizer, parts[start : start + batch_size], protocol, device)
         cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels)
         torch.manual_seed(seed + start)
         began = time.perf_counter()
-        with torch.no_grad():
-            sequences = model.generate(
-                **batch,
-                past_key_values=cache,
-                max_new_tokens=max_new_tokens,
-                do_sample=settings["sample"],
-                temperature=settings["temperature"] if settings["sample"] else None,
-                top_p=settings["top_p"] if settings["sample"] else None,
-                top_k=None,
-                stop_strings=[form["stop"]],
-                tokenizer=tokenizer,
-                pad_token_id=tokenizer.pad_token_id,
-            )
+        sequences = generate(
+            model,
+            cache,
+            input_ids,
+            attention_mask,
+            width,
+            max_new_tokens=max_new_tokens,
+            do_sample=settings["sample"],
+            temperature=settings["temperature"] if settings["sample"] else None,
+            top_p=settings["top_p"] if settings["sample"] else None,
+            top_k=None,
+            stop_strings=[form["stop"]],
+            tokenizer=tokenizer,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         decode_seconds += time.perf_counter() - began
-        new_tokens = sequences[:, batch.input_ids.shape[1] :]
-        prompt_lengths = batch.attention_mask.sum(-1).tolist()
+        new_tokens = sequences[:, input_ids.shape[1] :]
+        prompt_lengths = attention_mask.sum(-1).tolist()
         peak_entries = max(peak_entries, cache.peak_entries)
         # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
         full_entries = max(full_entries, max(prompt_lengths) + new_tokens.shape[1] - 1)

@@ -113,10 +113,11 @@ def evaluate(
     from lm_eval import simple_evaluate
 
     manager = task_manager(task, data_dir, work_dir / "lm_eval_tasks")
-    lm = eviction_lm(model, tokenizer, session, batch_size)
+    lm_task = manager.load([task["name"]])["tasks"][task["name"]]
+    lm = eviction_lm(model, tokenizer, session, batch_size, lm_task)
     return simple_evaluate(
         model=lm,
-        tasks=[task["name"]],
+        tasks=[lm_task],
         num_fewshot=num_fewshot,
         limit=limit,
         task_manager=manager,
@@ -128,22 +129,58 @@ def evaluate(
     )
 
 
-def eviction_lm(model: Any, tokenizer: Any, session: Session, batch_size: int) -> Any:
+def question_start(lm_task: Any, doc: dict[str, Any], prompt: str) -> int:
+    """Where the scored document's own text starts in a request's prompt, after the demonstrations: the prompt
+    ends with the task's ``doc_to_text`` of the document (or, for tasks with several inputs such as Winogrande,
+    with one of its inputs)."""
+    texts = lm_task.doc_to_choice(doc) if lm_task.multiple_input else [lm_task.doc_to_text(doc)]
+    ends = [len(prompt) - len(text) for text in texts if isinstance(text, str) and text and prompt.endswith(text)]
+    if not ends:
+        raise ConfigError(
+            f"protocol=context cannot find where task {lm_task.config.task}'s question starts in its prompt: "
+            "use protocol=prefill"
+        )
+    return min(ends)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
+def eviction_lm(model: Any, tokenizer: Any, session: Session, batch_size: int, lm_task: Any = None) -> Any:
     """lm-eval's HFLM, telling the backend each padded row's real length and context length.
 
     HFLM right-pads a batch and calls the model without a mask. Per-sequence budgets need each row's length
-    (simulate: the request, context + continuation minus its last token) and, for ``prefill``, where the
-    context ends; both are looked up from the requests HFLM is about to score.
+    (simulate: the request, context + continuation minus its last token) and where its context ends: for
+    ``prefill`` the whole prompt, for ``context`` the demonstrations before the scored document's own text
+    (found with ``lm_task``). Both are looked up from the requests HFLM is about to score.
     """
     import torch
     from lm_eval.models.huggingface import HFLM
 
     class EvictionLM(HFLM):
+        def loglikelihood(self, requests, disable_tqdm=False):
+            if session.protocol == "context":
+                self.question_starts = {
+                    request.args[0]: question_start(lm_task, request.doc, request.args[0]) for request in requests
+                }
+            return super().loglikelihood(requests, disable_tqdm)
+
         def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
             self.context_lengths: dict[tuple[int, ...], int] = {}
-            for _, context, continuation in requests:
+            for (prompt, _), context, continuation in requests:
                 fed = (context + continuation)[-(self.max_length + 1) :][:-1]
-                self.context_lengths[tuple(fed)] = max(1, len(fed) - len(continuation) + 1)
+                if session.protocol == "context":
+                    demonstrations = self.tok_encode(prompt[: self.question_starts[prompt]])
+                    cut = len(context) + len(continuation) - 1 - len(fed)  # tokens lost to left truncation
+                    self.context_lengths[tuple(fed)] = max(0, _common_prefix(demonstrations, context) - cut)
+                else:
+                    self.context_lengths[tuple(fed)] = max(1, len(fed) - len(continuation) + 1)
             return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
 
         def _model_call(self, inps, attn_mask=None, labels=None):

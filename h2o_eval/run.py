@@ -49,6 +49,11 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if generating and not policy.has_cache:
         raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
     check_protocol(policy, protocol, config["kernels"])
+    if protocol == "context" and not generating and num_fewshot == 0:
+        raise ConfigError(
+            "protocol=context compresses a log-likelihood request's demonstrations before its question: "
+            "use num_fewshot >= 1"
+        )
     from h2o_eval.models import check_available, resolve_device, resolve_dtype
 
     device = resolve_device(config["device"])

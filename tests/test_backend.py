@@ -88,17 +88,18 @@ def test_simulate_equals_token_by_token_eviction_cache(models, family, name, ker
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-opt"])
 @pytest.mark.parametrize("name", ["h2o", "local", "streaming", "tova", *PROMPT_ONLY])
-def test_prefill_protocol_equals_prefill_compress_then_decode(models, family, name):
+@pytest.mark.parametrize("protocol", ["prefill", "context"])
+def test_prefill_protocol_equals_prefill_compress_then_decode(models, family, name, protocol):
     """Reference: EvictionCache(protocol="prefill") fed the 40-token context as one chunk, then one token at a
     time; implementation: patch(prefill), one forward with the context length set. Budget 0.25 of the context:
     C = 10, so the continuation's 24 tokens each evict one (or, for policies that grow, are all kept)."""
     model = models(family)
     ids = tokens(1, 64, seed=2)
     policy = make_policy(name, budget=0.25, **PROMPT_ONLY.get(name, {}))
-    with torch.no_grad(), patch(model, policy, protocol="prefill") as session:
+    with torch.no_grad(), patch(model, policy, protocol=protocol) as session:
         session.context_lengths = [40]
         one_pass = model(ids).logits
-    cache = EvictionCache(model, policy, protocol="prefill")
+    cache = EvictionCache(model, policy, protocol=protocol)
     stepped = step_by_step(model, ids, cache, first=40)
     assert (one_pass - stepped).abs().max() <= 1e-4
     with torch.no_grad():

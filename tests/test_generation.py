@@ -9,7 +9,7 @@ import torch
 from conftest import make_config
 
 from h2o_eval import EvictionCache, load_model, make_policy
-from h2o_eval.generation import build_prompts, rouge, template
+from h2o_eval.generation import build_prompts, encode, generate, rouge, template
 from h2o_eval.run import run
 
 EVICTING = ["h2o", "local", "heavy", "streaming", "tova", "random"]
@@ -95,7 +95,7 @@ def test_prompts_show_shots_in_helm_style_and_never_the_document_itself(data_dir
     assert zero_shot.count("###") == 1
 
 
-@pytest.mark.parametrize("protocol", ["prefill", "simulate"])
+@pytest.mark.parametrize("protocol", ["prefill", "simulate", "context"])
 def test_batched_generation_equals_one_document_at_a_time(tmp_path, data_dir, protocol):
     outputs = {}
     for batch_size in (1, 3):
@@ -170,3 +170,54 @@ def test_full_policy_peak_kv_is_the_full_cache(tmp_path, data_dir):
     )
     stats = run(config, tmp_path / "work")["generation"]
     assert stats["kv_peak_entries"] == stats["kv_full_entries"] > 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv", "knorm"])
+def test_context_protocol_equals_compressing_the_context_then_feeding_the_question_token_by_token(tiny, name):
+    """Reference: an EvictionCache(protocol="context") fed each document's context alone as one chunk, then its
+    question one token at a time, then greedy decoding one token at a time; implementation: the runner's
+    encode() + generate(), a left-padded batch whose contexts are compressed before generate() feeds the
+    questions. Budget 0.3 of each context."""
+    model, tokenizer = tiny
+    question = "\n\nSummarize the above article in 1 sentence.\n"
+    parts = [
+        ("###\nArticle: The council met on Tuesday to discuss the new bridge over the river and its cost.", question),
+        ("###\nArticle: Rain fell all week.", question),
+    ]
+    policy = make_policy(name, budget=0.3, **({"window": 2} if name == "snapkv" else {}))
+    ids, mask, width = encode(tokenizer, parts, "context", "cpu")
+    cache = EvictionCache(model, policy, protocol="context")
+    batched = generate(model, cache, ids, mask, width, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for row, (context, text) in enumerate(parts):
+        alone = EvictionCache(model, policy, protocol="context")
+        context_ids = torch.tensor([tokenizer(context).input_ids])
+        logits = model(context_ids, past_key_values=alone, use_cache=True).logits
+        for token in tokenizer(text, add_special_tokens=False).input_ids:
+            logits = model(torch.tensor([[token]]), past_key_values=alone, use_cache=True).logits
+        generated = []
+        for _ in range(6):
+            generated.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([generated[-1:]]), past_key_values=alone, use_cache=True).logits
+        assert batched[row, ids.shape[1] :].tolist() == generated
+        assert alone.capacity().item() == policy.capacity(context_ids.shape[1])
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert not torch.equal(batched, plain), "compression changed nothing: the test proves nothing"
+
+
+@torch.no_grad()
+def test_context_protocol_with_an_empty_question_is_prefill(tiny):
+    model, tokenizer = tiny
+    parts = [("###\nArticle: The council met on Tuesday to discuss the new bridge.", ""), ("###\nArticle: Rain.", "")]
+    outputs = {}
+    for protocol in ("prefill", "context"):
+        ids, mask, width = encode(tokenizer, parts, protocol, "cpu")
+        cache = EvictionCache(model, make_policy("h2o", budget=0.3), protocol=protocol)
+        outputs[protocol] = generate(model, cache, ids, mask, width, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(outputs["prefill"], outputs["context"])
+
+
+def test_context_batches_need_questions_of_one_length(tiny):
+    _, tokenizer = tiny
+    with pytest.raises(ValueError, match="questions of one length"):
+        encode(tokenizer, [("A.", "Why?"), ("B.", "Why on earth would it?")], "context", "cpu")

@@ -122,3 +122,44 @@ def test_padded_lm_eval_batches_score_like_each_request_alone(protocol):
             assert got == pytest.approx(alone, abs=1e-4)
     lengths = {n for n, _ in session.capacities}
     assert len(lengths) > 1, "requests of one length prove nothing about padding"
+
+
+@pytest.mark.parametrize(("name", "inputs"), [("piqa", 1), ("copa", 1), ("winogrande", 2)])
+def test_context_protocol_finds_where_the_demonstrations_end(tmp_path, data_dir, name, inputs):
+    """Independent path: lm-eval's own few-shot prompts, whose 3 demonstrations each end with the task's
+    fewshot delimiter; the question (or, for Winogrande, each input) starts right after the third."""
+    task = _load_local_task(tmp_path, data_dir, name)
+    task.set_fewshot_seed(1234)
+    delimiter = task.config.fewshot_delimiter
+    for doc in list(task.eval_docs)[:20]:
+        prompts = task.fewshot_context(doc, num_fewshot=3)
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        assert len(prompts) == inputs
+        for prompt in prompts:
+            start = harness.question_start(task, doc, prompt)
+            demonstrations = prompt[:start]
+            assert demonstrations.endswith(delimiter) and demonstrations.count(delimiter) == 3
+            assert delimiter not in prompt[start:]
+
+
+def test_context_protocol_budgets_the_demonstrations_only(tmp_path, data_dir):
+    """PIQA 2-shot on a tiny model: under ``context`` the budget applies to the demonstrations (shorter than the
+    prompt the ``prefill`` protocol compresses), and the scores differ from prefill's."""
+    records = {}
+    for protocol in ("prefill", "context"):
+        config = make_config(
+            data_dir, tmp_path / protocol, model="tiny-llama", task="piqa", limit=6, num_fewshot=2,
+            policy="h2o", budget=0.2, protocol=protocol,
+        )  # fmt: skip
+        records[protocol] = run(config, tmp_path / "work")
+    prefill, context = records["prefill"]["capacity"], records["context"]["capacity"]
+    assert 0 < context["length_mean"] < prefill["length_mean"]
+    assert context["capacity_mean"] < prefill["capacity_mean"]
+
+
+def test_context_protocol_needs_demonstrations_for_log_likelihood_tasks(tmp_path, data_dir):
+    from h2o_eval.errors import ConfigError
+    from h2o_eval.run import validate
+
+    with pytest.raises(ConfigError, match="protocol=context compresses .* use num_fewshot >= 1"):
+        validate(make_config(data_dir, tmp_path, task="piqa", protocol="context", policy="h2o"))
