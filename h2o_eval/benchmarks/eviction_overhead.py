@@ -1,10 +1,12 @@
-"""Wall time of simulate-mode eviction relative to the full cache, on SmolLM2 with local data.
+"""Wall time of eviction relative to the full cache, on SmolLM2 with local data.
 
     python -m h2o_eval.benchmarks.eviction_overhead --data-dir ../shared/data
+    python -m h2o_eval.benchmarks.eviction_overhead --data-dir DIR --policy snapkv --protocol prefill --tasks piqa
 
 For each workload (COPA 0-shot, all 100 documents; PIQA 5-shot, first 100) the same lm-eval requests are
-scored with ``full`` and with ``h2o`` at budget 0.2 (simulate protocol), alternating, ``--repeats`` times; the
-best time of each is kept. Prints one line per workload: both times, their ratio, and the accuracies.
+scored with ``full`` and with ``--policy`` (``h2o``) at ``--budget`` 0.2 in ``--protocol`` (``simulate``),
+alternating, ``--repeats`` times; the best time of each is kept. Prints one line per workload: both times, their
+ratio, and the accuracies.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ import torch
 from h2o_eval import harness
 from h2o_eval.backend import patch
 from h2o_eval.models import load_model, registry
-from h2o_eval.policies import make_policy
+from h2o_eval.policies import POLICIES, make_policy
 
 WORKLOADS = [("copa", 0, None), ("piqa", 5, 100)]
 
 
-def time_policy(model, tokenizer, policy, task, shots, limit, data_dir, batch_size, kernels) -> tuple[float, float]:
-    with patch(model, policy, protocol="simulate", kernels=kernels) as session:
+def time_policy(
+    model, tokenizer, policy, protocol, task, shots, limit, data_dir, batch_size, kernels
+) -> tuple[float, float]:
+    with patch(model, policy, protocol=protocol, kernels=kernels) as session:
         start = time.perf_counter()
         output = harness.evaluate(
             model,
@@ -51,12 +55,15 @@ def main() -> None:
     parser.add_argument("--batch-size", default=8, type=int)
     parser.add_argument("--repeats", default=2, type=int)
     parser.add_argument("--kernels", default="auto", choices=["auto", "torch"])
+    parser.add_argument("--policy", default="h2o", choices=sorted(POLICIES))
+    parser.add_argument("--protocol", default="simulate", choices=["simulate", "prefill"])
+    parser.add_argument("--tasks", nargs="+", default=[task for task, _, _ in WORKLOADS])
     args = parser.parse_args()
 
     model, tokenizer = load_model(args.model, device="cpu")
     print(f"{args.model} on CPU, {torch.get_num_threads()} threads, batch {args.batch_size}, kernels={args.kernels}")
-    for task, shots, limit in WORKLOADS:
-        best = {"full": float("inf"), "h2o": float("inf")}
+    for task, shots, limit in [w for w in WORKLOADS if w[0] in args.tasks]:
+        best = {"full": float("inf"), args.policy: float("inf")}
         accuracy = {}
         for _ in range(args.repeats):
             for name in best:
@@ -65,6 +72,7 @@ def main() -> None:
                     model,
                     tokenizer,
                     policy,
+                    args.protocol,
                     task,
                     shots,
                     limit,
@@ -75,8 +83,8 @@ def main() -> None:
                 best[name] = min(best[name], seconds)
         print(
             f"{task} {shots}-shot limit={limit}: full {best['full']:.1f} s (acc {accuracy['full']:.3f}) | "
-            f"h2o@{args.budget} {best['h2o']:.1f} s (acc {accuracy['h2o']:.3f}) | "
-            f"ratio {best['h2o'] / best['full']:.2f}x"
+            f"{args.policy}@{args.budget} {args.protocol} {best[args.policy]:.1f} s (acc {accuracy[args.policy]:.3f}) "
+            f"| ratio {best[args.policy] / best['full']:.2f}x"
         )
 
 
