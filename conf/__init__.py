@@ -8,7 +8,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill"}
+DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill", "synthetic": "prefill"}
 
 
 def task_default(task: Mapping[str, Any], setting: str) -> Any:

@@ -16,7 +16,12 @@ from h2o_eval.errors import ConfigError
 
 
 def data_files(config: dict[str, Any]) -> list[Path]:
-    """The files a run reads under ``data_dir`` (none when its data comes from the hub); each must exist."""
+    """The files a run reads under ``data_dir`` (none when its data comes from the hub), or a synthetic task's
+    haystack; each must exist."""
+    if config["task"]["kind"] == "synthetic":
+        from h2o_eval import longcontext
+
+        return [path for path, _ in longcontext.haystack_files(config["task"], config.get("data_dir"))]
     if config.get("data_dir") is None:
         return []
     from h2o_eval import generation, harness

@@ -82,17 +82,23 @@ def encode(tokenizer: Any, parts: list[tuple[str, str]], protocol: str, device: 
     ``context`` protocol, the width of the context columns: contexts and questions are tokenized apart (the
     question without special tokens), and every question must have the same length, so that the contexts end in
     one column. Other protocols tokenize each prompt whole (width None)."""
-    import torch
 
     if protocol != "context":
         batch = tokenizer([c + q for c, q in parts], return_tensors="pt", padding=True).to(device)
         return batch.input_ids, batch.attention_mask, None
     contexts = [tokenizer(c).input_ids for c, _ in parts]
     questions = [tokenizer(q, add_special_tokens=False).input_ids for _, q in parts]
+    return pad_context(contexts, questions, tokenizer.pad_token_id, device)
+
+
+def pad_context(contexts: list[list[int]], questions: list[list[int]], pad: int, device: Any) -> tuple[Any, Any, int]:
+    """Token-id contexts left-padded to one width, each followed by its question (all of one length), so that
+    every context ends in the same column: (``input_ids``, ``attention_mask``, that width)."""
+    import torch
+
     if len({len(q) for q in questions}) != 1:
         raise ValueError("a context-protocol batch needs questions of one length: batch them by length")
     width = max(len(c) for c in contexts)
-    pad = tokenizer.pad_token_id
     ids = [[pad] * (width - len(c)) + c + q for c, q in zip(contexts, questions, strict=True)]
     mask = [[0] * (width - len(c)) + [1] * (len(c) + len(q)) for c, q in zip(contexts, questions, strict=True)]
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device), width
@@ -235,14 +241,20 @@ def summarise(
             "kv_full_entries": full_entries,
             "kv_full_bytes": full_entries * entry_bytes,
         },
-        "capacity": {
-            "sequences": len(outputs),
-            "length_mean": prompt_mean,
-            "capacity_mean": sum(o["capacity"] for o in outputs) / n,
-            "capacity_min": min((o["capacity"] for o in outputs), default=0),
-            "capacity_max": max((o["capacity"] for o in outputs), default=0),
-            "kept_fraction_mean": sum(o["capacity"] / (o["prompt_tokens"] + o["generated_tokens"]) for o in outputs)
-            / n,
-        },
+        "capacity": capacity_stats(outputs),
     }
     return fields, outputs
+
+
+def capacity_stats(outputs: list[dict[str, Any]]) -> dict[str, float]:
+    """The record's ``capacity`` of a generation run, from its per-document outputs (``prompt_tokens``,
+    ``generated_tokens`` and the ``capacity`` each one's cache had)."""
+    n = max(len(outputs), 1)
+    return {
+        "sequences": len(outputs),
+        "length_mean": sum(o["prompt_tokens"] for o in outputs) / n,
+        "capacity_mean": sum(o["capacity"] for o in outputs) / n,
+        "capacity_min": min((o["capacity"] for o in outputs), default=0),
+        "capacity_max": max((o["capacity"] for o in outputs), default=0),
+        "kept_fraction_mean": sum(o["capacity"] / (o["prompt_tokens"] + o["generated_tokens"]) for o in outputs) / n,
+    }

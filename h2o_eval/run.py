@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import data, generation, harness, hub, results, tracking
+from h2o_eval import data, generation, harness, hub, longcontext, results, tracking
 from h2o_eval.conf import task_default
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_kernels, check_protocol, make_policy
@@ -35,7 +35,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     limit = config["limit"]
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
         raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
-    generating = config["task"]["kind"] == "generation"
+    kind = config["task"]["kind"]
+    generating = kind in ("generation", "synthetic")
     num_fewshot = (
         task_default(config["task"], "num_fewshot") if config["num_fewshot"] is None else config["num_fewshot"]
     )
@@ -69,10 +70,14 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
         value = config["generation"][key]
         if value is not None and (not _is_int(value) or value < 1):
             raise ConfigError(f"generation.{key}={value!r}: use an integer >= 1, or null for the task's default")
-    fields = tuple(generation.template(config["task"])["fields"].values()) if generating else ()
+    fields = tuple(generation.template(config["task"])["fields"].values()) if kind == "generation" else ()
     for path in data.data_files(config):
         data.read_jsonl(path, fields)
-    if config["data_dir"] is None:
+    if kind == "synthetic":
+        longcontext.check(config["task"], config["data_dir"])
+        if num_fewshot:
+            raise ConfigError(f"task {config['task']['name']} has no few-shot examples: drop num_fewshot={num_fewshot}")
+    elif config["data_dir"] is None:
         hub.check_dataset(config["task"]["name"], _hub_dataset(config["task"]))
     check_available(config["model"])
     _check_writable(Path(config["results_dir"]))
@@ -155,6 +160,9 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
             settings=config["generation"],
             kernels=config["kernels"],
         )
+        table = None
+    elif config["task"]["kind"] == "synthetic":
+        fields, outputs = longcontext.evaluate(model, tokenizer, policy, config)
         table = None
     else:
         fields, table = _loglikelihood(model, tokenizer, policy, config, work_dir)
