@@ -5,6 +5,7 @@
 One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
 the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
 same numbers as ``summary.csv`` and ``summary.md``; ``--wandb-group`` logs them to a sweep's W&B group.
+``--needle`` draws the long-context tasks' depth x length heatmaps instead (:mod:`h2o_eval.plot_needle`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from h2o_eval import plot_needle
 from h2o_eval.results import load_records
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
@@ -208,12 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wandb-group", help="also log the figures and table to W&B, in this group")
     parser.add_argument("--wandb-project", default="h2o_eval")
     parser.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
+    parser.add_argument("--needle", action="store_true", help="long-context tasks: depth x length heatmaps instead")
     args = parser.parse_args(argv)
     import matplotlib
 
     matplotlib.use("Agg")
     if not args.results_dir.is_dir():
         parser.error(f"no results directory {args.results_dir}: give the results_dir the runs wrote to")
+    if args.needle:
+        files = plot_needle.write(args.results_dir, args.out or args.results_dir / "plots")
+        if not files:
+            parser.error(f"no long-context records in {args.results_dir}: run a task such as task=niah_single first")
+        print("\n".join(map(str, files)))
+        return
     rows = [
         r
         for r in table(load_records(args.results_dir), args.metric)

@@ -1,0 +1,134 @@
+"""RULER-style pictures of the long-context tasks (``python -m h2o_eval.plot --needle``): per model and task, a
+heatmap of the score by needle depth and prompt length with one panel per (policy, budget, protocol), the full
+cache's panel first as the ceiling, and the score against the prompt length, a line per setting.
+
+They read the records that have a ``length`` (the synthetic tasks of :mod:`h2o_eval.longcontext`) and the
+per-document outputs beside them, where each document's depth and score are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from h2o_eval.results import load_records
+
+SETTING = ("model", "task", "policy", "budget", "protocol", "length")
+
+
+def needle_rows(results_dir: Path) -> list[dict[str, Any]]:
+    """One row per long-context record (the newest of reruns of one setting): its setting, its score, and its
+    mean score and document count per needle depth (none for tasks without a needle)."""
+    newest: dict[tuple, dict[str, Any]] = {}
+    for record in sorted(load_records(results_dir), key=lambda r: r["created"]):
+        if "length" in record and "outputs" in record and (results_dir / record["outputs"]).is_file():
+            newest[tuple(record[key] for key in SETTING)] = record
+    rows = []
+    for record in newest.values():
+        by_depth: dict[float, list[float]] = {}
+        for line in (results_dir / record["outputs"]).read_text().splitlines():
+            output = json.loads(line)
+            if output["depth"] is not None:
+                by_depth.setdefault(output["depth"], []).append(output["score"])
+        rows.append(
+            {
+                **{key: record[key] for key in SETTING},
+                "score": record["metrics"]["string_match_all"],
+                "depths": {depth: (sum(s) / len(s), len(s)) for depth, s in sorted(by_depth.items())},
+            }
+        )
+    return rows
+
+
+def _panels(rows: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
+    """The (policy, budget, protocol) settings of ``rows``, the full cache first, then by policy and budget."""
+    return sorted({(r["policy"], r["budget"], r["protocol"]) for r in rows}, key=lambda p: (p[0] != "full", p))
+
+
+def _label(policy: str, budget: float, protocol: str) -> str:
+    return "full cache" if policy == "full" else f"{policy} {budget:.0%} ({protocol})"
+
+
+def _length_label(length: int) -> str:
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def heatmap(rows: list[dict[str, Any]]) -> Any:
+    """Score by depth (rows) and length (columns) of one model and task, a panel per setting (a Figure)."""
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["length"] for r in rows})
+    depths = sorted({d for r in rows for d in r["depths"]})
+    panels = _panels(rows)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(1.2 + 0.9 * len(lengths) * len(panels), 3.6), squeeze=False, sharey=True
+    )
+    image = None
+    for ax, panel in zip(axes[0], panels, strict=True):
+        cells = {
+            (r["length"], d): v
+            for r in rows
+            if (r["policy"], r["budget"], r["protocol"]) == panel
+            for d, v in r["depths"].items()
+        }
+        grid = [[cells.get((length, depth), (float("nan"), 0))[0] for length in lengths] for depth in depths]
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        for i, depth in enumerate(depths):
+            for j, length in enumerate(lengths):
+                if (length, depth) in cells:
+                    ax.text(j, i, f"{cells[length, depth][0]:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [_length_label(length) for length in lengths])
+        ax.set_yticks(range(len(depths)), [f"{depth:g}%" for depth in depths])
+        ax.set(title=_label(*panel), xlabel="prompt length (tokens)")
+    axes[0][0].set_ylabel("needle depth")
+    fig.colorbar(image, ax=axes[0].tolist(), label="string_match_all", fraction=0.05)
+    fig.suptitle(f"{rows[0]['task']} – {rows[0]['model']}")
+    return fig
+
+
+def length_plot(rows: list[dict[str, Any]]) -> Any:
+    """Score against prompt length of one model and task, a line per setting, the full cache dashed (a Figure)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for panel in _panels(rows):
+        points = sorted((r["length"], r["score"]) for r in rows if (r["policy"], r["budget"], r["protocol"]) == panel)
+        full = panel[0] == "full"
+        ax.plot(
+            *zip(*points, strict=True),
+            marker="o",
+            label=_label(*panel),
+            linestyle="--" if full else "-",
+            color="black" if full else None,
+        )
+    lengths = sorted({r["length"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [_length_label(length) for length in lengths], minor=False)
+    ax.set(xlabel="prompt length (tokens)", ylabel="string_match_all", ylim=(-0.02, 1.02))
+    ax.set_title(f"{rows[0]['task']} – {rows[0]['model']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def write(results_dir: Path, out: Path) -> list[Path]:
+    """Both figures (PNG, PDF) per model and task under ``out``: ``needle_<task>_<model>`` (tasks with a needle)
+    and ``length_<task>_<model>``. Returns the files written."""
+    import matplotlib.pyplot as plt
+
+    rows = needle_rows(results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for model, task in sorted({(r["model"], r["task"]) for r in rows}):
+        chosen = [r for r in rows if (r["model"], r["task"]) == (model, task)]
+        figures = {"length": length_plot(chosen)}
+        if any(r["depths"] for r in chosen):
+            figures["needle"] = heatmap(chosen)
+        for kind, fig in figures.items():
+            for suffix in ("png", "pdf"):
+                files.append(out / f"{kind}_{task}_{model}.{suffix}")
+                fig.savefig(files[-1], dpi=150, bbox_inches="tight")
+            plt.close(fig)
+    return files

@@ -1,0 +1,82 @@
+"""The long-context pictures read records and their per-document outputs written here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from h2o_eval import plot, plot_needle, results
+
+
+def write_run(folder, policy, budget, length, scores, created="2026-11-22T00:00:00+00:00", task="niah_single"):
+    """A record and its outputs: ``scores`` maps each depth (None: no needle) to its documents' scores."""
+    name = f"{task}_{policy}_{budget}_{length}_{created[:10]}"
+    outputs = [{"depth": d, "score": s} for d, values in scores.items() for s in values]
+    results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
+    record = {
+        "model": "tiny-llama",
+        "task": task,
+        "policy": policy,
+        "budget": budget,
+        "protocol": "prefill",
+        "num_fewshot": 0,
+        "limit": None,
+        "length": length,
+        "n_samples": len(outputs),
+        "created": created,
+        "metrics": {"string_match_all": sum(o["score"] for o in outputs) / len(outputs)},
+        "outputs": f"{name}.outputs.jsonl",
+    }
+    results.write_record(folder / f"{name}.json", record)
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    for length in (256, 512):
+        write_run(tmp_path, "full", 1.0, length, {0: [1.0, 1.0], 50: [1.0, 1.0], 100: [1.0, 1.0]})
+    write_run(tmp_path, "h2o", 0.2, 256, {0: [1.0, 1.0], 50: [1.0, 0.0], 100: [0.0, 0.0]})
+    write_run(tmp_path, "h2o", 0.2, 512, {0: [1.0, 0.0], 50: [0.0, 0.0], 100: [0.0, 0.0]})
+    write_run(tmp_path, "h2o", 0.2, 512, {0: [0.0, 0.0]}, created="2026-11-21T00:00:00+00:00")  # older: dropped
+    write_run(tmp_path, "full", 1.0, 512, {None: [0.5, 0.7]}, task="cwe")
+    return tmp_path
+
+
+def test_rows_hold_each_depths_mean_score_from_the_outputs_of_the_newest_record(results_dir):
+    rows = {(r["task"], r["policy"], r["length"]): r for r in plot_needle.needle_rows(results_dir)}
+    assert len(rows) == 5
+    assert rows["niah_single", "h2o", 256]["depths"] == {0: (1.0, 2), 50: (0.5, 2), 100: (0.0, 2)}
+    assert rows["niah_single", "h2o", 512]["depths"] == {0: (0.5, 2), 50: (0.0, 2), 100: (0.0, 2)}
+    assert rows["niah_single", "h2o", 512]["score"] == pytest.approx(1 / 6)
+    assert rows["cwe", "full", 512]["depths"] == {}
+
+
+def test_heatmap_puts_the_full_cache_first_and_colours_depth_by_length(results_dir):
+    rows = [r for r in plot_needle.needle_rows(results_dir) if r["task"] == "niah_single"]
+    fig = plot_needle.heatmap(rows)
+    full, h2o = fig.axes[:2]
+    assert full.get_title() == "full cache" and h2o.get_title() == "h2o 20% (prefill)"
+    assert h2o.images[0].get_array().tolist() == [[1.0, 0.5], [0.5, 0.0], [0.0, 0.0]]  # depths 0/50/100 x 256/512
+    assert [t.get_text() for t in h2o.get_xticklabels()] == ["256", "512"]
+
+
+def test_cli_draws_heatmaps_and_length_lines_and_only_lines_without_needles(results_dir, tmp_path, capsys):
+    out = tmp_path / "pictures"
+    plot.main([str(results_dir), "--needle", "--out", str(out)])
+    names = sorted(path.name for path in out.iterdir())
+    assert names == [
+        f"{kind}_{task}_tiny-llama.{suffix}"
+        for kind, task in [("length", "cwe"), ("length", "niah_single"), ("needle", "niah_single")]
+        for suffix in ("pdf", "png")
+    ]
+    assert str(out / "needle_niah_single_tiny-llama.png") in capsys.readouterr().out
+    lines = plot_needle.length_plot([r for r in plot_needle.needle_rows(results_dir) if r["task"] == "niah_single"])
+    full, h2o = lines.axes[0].get_lines()
+    assert full.get_linestyle() == "--" and list(full.get_ydata()) == [1.0, 1.0]
+    assert [math.isclose(a, b) for a, b in zip(h2o.get_ydata(), [0.5, 1 / 6], strict=True)] == [True, True]
+
+
+def test_cli_needle_without_long_context_records_says_what_to_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        plot.main([str(tmp_path), "--needle"])
+    assert "no long-context records" in capsys.readouterr().err
