@@ -361,6 +361,13 @@ def evaluate(
     from h2o_eval.generation import capacity_stats, generate, pad_context
 
     task, protocol, limit = config["task"], config["protocol"], config["limit"]
+    positions = getattr(model.config, "max_position_embeddings", None)
+    new_tokens = task["max_new_tokens"]
+    if positions is not None and task["length"] + new_tokens > positions:
+        raise ConfigError(
+            f"task.length={task['length']} plus {new_tokens} new tokens exceeds {config['model']['name']}'s "
+            f"{positions} positions: use task.length <= {positions - new_tokens}"
+        )
     texts = load_haystack(task, config["data_dir"])
     count = (
         task["samples"]

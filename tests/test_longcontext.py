@@ -69,7 +69,11 @@ def test_without_a_chat_template_the_prompt_is_plain_text(tokenizer, texts):
     plain.chat_template = None
     found = document("niah_single", plain, texts, length=600)
     assert found["prompt"].startswith("Some special magic numbers are hidden within the following text.")
-    assert found["prompt"].endswith("? The special magic numbers for " + found["prompt"].split(" for ")[-1])
+    key = re.match(r"One of the special magic numbers for (\S+) is", found["needles"][0]).group(1)
+    assert found["prompt"].endswith(
+        f"for {key} mentioned in the provided text? The special magic numbers for {key} mentioned in the provided "
+        "text are"
+    )
     assert 596 <= found["length"] <= 600
 
 
@@ -247,3 +251,9 @@ def test_under_the_context_protocol_a_full_cache_answers_as_under_prefill(tmp_pa
     answered = [(o["id"], o["prediction"]) for o in outputs(context, tmp_path / "context")]
     assert answered == [(o["id"], o["prediction"]) for o in outputs(prefill, tmp_path / "prefill")]
     assert len({o["prompt_tokens"] - o["context_tokens"] for o in outputs(context, tmp_path / "context")}) > 1
+
+
+def test_a_length_beyond_the_models_positions_stops_with_one_line(tmp_path, data_dir):
+    config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single", limit=1, **{"task.length": 2000})
+    with pytest.raises(ConfigError, match=re.escape("exceeds tiny-llama's 2048 positions: use task.length <= 1920")):
+        run(config)
