@@ -222,7 +222,7 @@ def summarise(
 
     scores = rouge([o["prediction"] for o in outputs], [o["reference"] for o in outputs])
     for output, score in zip(outputs, scores, strict=True):
-        output["rouge"] = score
+        output["scores"] = score
     n = max(len(outputs), 1)
     prompt_mean = sum(o["prompt_tokens"] for o in outputs) / n
     fields = {

@@ -108,7 +108,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Score ``model`` (patched: ``session`` is its backend session) on ``task`` with lm-eval.
 
-    Returns lm-eval's results dict (with ``n-samples``).
+    Returns lm-eval's results dict (with ``n-samples`` and the per-document ``samples``).
     """
     from lm_eval import simple_evaluate
 
@@ -121,7 +121,7 @@ def evaluate(
         num_fewshot=num_fewshot,
         limit=limit,
         task_manager=manager,
-        log_samples=False,
+        log_samples=True,
         random_seed=seed,
         numpy_random_seed=seed,
         torch_random_seed=seed,
@@ -215,6 +215,20 @@ def metrics(results: dict[str, Any], task_name: str) -> dict[str, float]:
         for key, value in results["results"][task_name].items()
         if "," in key and isinstance(value, int | float)
     }
+
+
+def document_scores(results: dict[str, Any], task_name: str) -> list[dict[str, Any]]:
+    """One row per scored document of ``task_name`` from lm-eval's logged samples: its ``id`` (lm-eval's
+    ``doc_id``), ``target`` and ``scores`` (each metric of the task's ``metric_list`` for that document)."""
+    names = {key.split(",")[0] for key in results["results"][task_name] if "," in key}
+    return [
+        {
+            "id": sample["doc_id"],
+            "target": sample["target"],
+            "scores": {name: float(sample[name]) for name in sorted(names) if name in sample},
+        }
+        for sample in sorted(results["samples"][task_name], key=lambda sample: sample["doc_id"])
+    ]
 
 
 class _IgnoreTagsLoader(yaml.SafeLoader):

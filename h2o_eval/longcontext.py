@@ -353,7 +353,7 @@ def evaluate(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Generate the run's documents, answer each greedily through an :class:`~h2o_eval.cache.EvictionCache`
     (stopping at end of sequence or ``task.max_new_tokens``) and score it. Returns (record fields, per-document
-    outputs: prompt, answers, depth, prediction, score). With ``protocol=context`` a batch holds questions of one
+    outputs: prompt, answers, depth, prediction, scores). With ``protocol=context`` a batch holds questions of one
     length, so that the contexts end in one column and are compressed before the questions arrive."""
     from tqdm import tqdm
 
@@ -435,7 +435,7 @@ def evaluate(
                     "context_tokens": len(document["context_ids"]),
                     "answers": document["answers"],
                     "prediction": prediction,
-                    "score": string_match_all(prediction, document["answers"]),
+                    "scores": {"string_match_all": string_match_all(prediction, document["answers"])},
                     "generated_tokens": length,
                     "capacity": min(round(float(capacity[row]), 2), document["length"] + length),
                     "needles": document["needles"],
@@ -447,7 +447,7 @@ def evaluate(
     outputs.sort(key=lambda o: o["id"])
     n = max(len(outputs), 1)
     fields = {
-        "metrics": {"string_match_all": sum(o["score"] for o in outputs) / n},
+        "metrics": {"string_match_all": sum(o["scores"]["string_match_all"] for o in outputs) / n},
         "n_samples": len(outputs),
         "length": task["length"],
         "generation": {

@@ -5,6 +5,11 @@
 One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
 the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
 same numbers as ``summary.csv`` and ``summary.md``; ``--wandb-group`` logs them to a sweep's W&B group.
+
+Every run is compared, document by document, with the full cache (or with ``--against POLICY`` at the same
+budget and protocol) on the same documents: ``paired_<against>.md`` holds the difference, its paired bootstrap
+95 % interval and the exact McNemar p-value (:mod:`h2o_eval.stats`), and a mean over the tasks a setting was run
+on; figures ring the points whose interval excludes zero.
 ``--needle`` draws the long-context tasks' depth x length heatmaps instead (:mod:`h2o_eval.plot_needle`).
 """
 
@@ -16,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import plot_needle
+from h2o_eval import plot_needle, stats
 from h2o_eval.results import load_records
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
@@ -57,6 +62,7 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "n_samples": record["n_samples"],
             "num_fewshot": record["num_fewshot"],
             "limit": record["limit"],
+            "outputs": record.get("outputs"),
         }
         newest[tuple(row[c] for c in COLUMNS if c not in ("value", "stderr", "n_samples"))] = row
     return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
@@ -119,12 +125,99 @@ def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
     return f"Budget {budget:.0%} of the cache:\n\n" + "\n".join(lines) + "\n"
 
 
-def figure(rows: list[dict[str, Any]], task: str) -> Any:
+def _setting(row: dict[str, Any]) -> tuple:
+    return row["task"], row["model"], row["protocol"], row["policy"], row["budget"], row["limit"]
+
+
+def _baseline(rows: list[dict[str, Any]], row: dict[str, Any], against: str) -> dict[str, Any] | None:
+    """The row ``row`` is compared with: ``against`` on the same task, model, documents, shots and metric; at the
+    same budget and protocol, except the full cache, whose protocol does not change what it holds (the same
+    protocol is preferred when there are several)."""
+    same = ("task", "model", "limit", "num_fewshot", "metric") + (() if against == "full" else ("protocol", "budget"))
+    found = [r for r in rows if r["policy"] == against and all(r[key] == row[key] for key in same)]
+    return min(found, key=lambda r: r["protocol"] != row["protocol"], default=None)
+
+
+def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "full") -> list[dict[str, Any]]:
+    """Each row (but ``against``'s own) compared document by document with its baseline (see :func:`_baseline`):
+    the row plus ``against``, ``baseline`` (its value), ``paired`` (a :class:`~h2o_eval.stats.Paired`) and
+    ``pairs`` (the aligned per-document scores). Rows without per-document scores, without a baseline or scored
+    on other documents than it are left out. A setting run on several tasks also gets a row whose task is
+    ``mean of N tasks``: the mean of the per-task differences, resampled within each task."""
+    documents: dict[str | None, dict | None] = {}
+
+    def scores(row: dict[str, Any]) -> dict | None:
+        if row["outputs"] not in documents:
+            documents[row["outputs"]] = stats.document_scores(row, results_dir, row["metric"])
+        return documents[row["outputs"]]
+
+    compared = []
+    for row in rows:
+        base = _baseline(rows, row, against) if row["policy"] != against else None
+        if base is None or scores(row) is None or scores(base) is None:
+            continue
+        pairs = stats.align(scores(row), scores(base))
+        if pairs is not None:
+            compared.append(
+                {**row, "against": against, "baseline": base["value"], "paired": stats.paired(*pairs), "pairs": pairs}
+            )
+    settings: dict[tuple, list[dict[str, Any]]] = {}
+    for row in compared:
+        settings.setdefault((row["model"], row["protocol"], row["policy"], row["budget"], row["metric"]), []).append(
+            row
+        )
+    for (model, protocol, policy, budget, metric), group in settings.items():
+        if len(group) > 1:
+            paired = stats.paired_mean([row["pairs"] for row in group])
+            compared.append(
+                {
+                    "task": f"mean of {len(group)} tasks",
+                    "model": model,
+                    "protocol": protocol,
+                    "policy": policy,
+                    "budget": budget,
+                    "metric": metric,
+                    "value": sum(row["value"] for row in group) / len(group),
+                    "limit": None,
+                    "against": against,
+                    "baseline": sum(row["baseline"] for row in group) / len(group),
+                    "paired": paired,
+                }
+            )
+    return compared
+
+
+def paired_markdown(compared: list[dict[str, Any]]) -> str:
+    """The paired comparisons as a Markdown table; ``*`` marks a difference whose 95 % interval excludes zero."""
+    against = compared[0]["against"] if compared else "full"
+    lines = [
+        f"Paired against {against} on the same documents: difference (policy − {against}), paired bootstrap 95 % "
+        f"interval ({stats.RESAMPLES:,} resamples, seed {stats.SEED}), exact McNemar p for 0/1 metrics; "
+        "* the interval excludes zero.",
+        "",
+        f"| task | model | protocol | policy | budget | metric | n | value | {against} "
+        "| difference [95 % CI] | McNemar p |",
+        "|---|---|---|---|---:|---|---:|---:|---:|---|---:|",
+    ]
+    for r in compared:
+        p = r["paired"]
+        mark = " *" if p.significant else ""
+        mcnemar = f"{p.p_mcnemar:.3g}" if p.p_mcnemar is not None else ""
+        lines.append(
+            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {r['budget']:.0%} | {r['metric']} "
+            f"| {p.n} | {r['value']:.3f} | {r['baseline']:.3f} "
+            f"| {p.difference:+.3f} [{p.low:+.3f}, {p.high:+.3f}]{mark} | {mcnemar} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] = frozenset()) -> Any:
     """The accuracy-vs-budget figure of one task (a matplotlib Figure). Records scored on different ``limit``s
-    are never joined: each limit gets lines of its own, named in the legend."""
+    are never joined: each limit gets lines of its own, named in the legend. Points whose setting (see
+    :func:`_setting`) is in ``significant`` are ringed: they differ from the full cache beyond chance."""
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if r["task"] == task]
+    rows = [{**r, "ringed": _setting(r) in significant} for r in rows if r["task"] == task]
     if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
         rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
@@ -152,6 +245,17 @@ def figure(rows: list[dict[str, Any]], task: str) -> Any:
                 linestyle="-" if index == 0 else "--",
                 label=label,
             )
+            ringed = [p for p in points if p["ringed"]]
+            ax.scatter(
+                [100 * p["budget"] for p in ringed],
+                [p["value"] for p in ringed],
+                s=160,
+                facecolors="none",
+                edgecolors=colors[number % len(colors)],
+                label="_ringed",
+            )
+    if any(r["ringed"] for r in rows):
+        ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label="differs from full (95 % CI)")
     metric = rows[0]["metric"] if rows else ""
     ax.set(xlabel="KV cache budget (% of the sequence)", ylabel=metric, title=task, xlim=(0, 100))
     ax.grid(alpha=0.3)
@@ -160,21 +264,29 @@ def figure(rows: list[dict[str, Any]], task: str) -> Any:
     return fig
 
 
-def write(rows: list[dict[str, Any]], out: Path, at: list[float] | None = None) -> list[Path]:
-    """Figures (PNG, PDF) per task plus ``summary.csv`` and ``summary.md`` under ``out``, and for each budget in
-    ``at`` the policies side by side in ``at_<budget>.md``; returns the files."""
+def write(
+    rows: list[dict[str, Any]], out: Path, at: list[float] | None = None, compared: list[dict[str, Any]] | None = None
+) -> list[Path]:
+    """Figures (PNG, PDF) per task plus ``summary.csv`` and ``summary.md`` under ``out``, for each budget in
+    ``at`` the policies side by side in ``at_<budget>.md``, and the ``compared`` rows of :func:`paired_rows` in
+    ``paired_<against>.md`` (ringing, when they are against the full cache, the significant points of the
+    figures); returns the files."""
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
+    compared = compared or []
+    significant = frozenset(
+        _setting(r) for r in compared if r["against"] == "full" and r["paired"].significant and "pairs" in r
+    )
     for task in sorted({r["task"] for r in rows}):
-        fig = figure(rows, task)
+        fig = figure(rows, task, significant)
         for suffix in ("png", "pdf"):
             written.append(out / f"{task}.{suffix}")
             fig.savefig(written[-1], dpi=150)
         plt.close(fig)
     with (out / "summary.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
     (out / "summary.md").write_text(markdown(rows))
@@ -182,6 +294,9 @@ def write(rows: list[dict[str, Any]], out: Path, at: list[float] | None = None) 
     for budget in at or []:
         written.append(out / f"at_{budget:g}.md")
         written[-1].write_text(side_by_side(rows, budget))
+    if compared:
+        written.append(out / f"paired_{compared[0]['against']}.md")
+        written[-1].write_text(paired_markdown(compared))
     return written
 
 
@@ -210,6 +325,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wandb-group", help="also log the figures and table to W&B, in this group")
     parser.add_argument("--wandb-project", default="h2o_eval")
     parser.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])
+    parser.add_argument(
+        "--against", default="full", help="paired comparisons with this policy at the same budget (default: full)"
+    )
     parser.add_argument("--needle", action="store_true", help="long-context tasks: depth x length heatmaps instead")
     args = parser.parse_args(argv)
     import matplotlib
@@ -235,12 +353,20 @@ def main(argv: list[str] | None = None) -> None:
             f"note: {task} has records of {', '.join(map(_limit_label, limits))}: they are drawn and tabled apart",
             file=sys.stderr,
         )
-    files = write(rows, args.out or args.results_dir / "plots", args.at)
+    compared = paired_rows(rows, args.results_dir, args.against)
+    if not compared:
+        print(
+            f"note: no paired comparison against {args.against}: no two runs with per-document scores share documents",
+            file=sys.stderr,
+        )
+    files = write(rows, args.out or args.results_dir / "plots", args.at, compared)
     for path in files:
         print(path)
     print(markdown(rows))
     for budget in args.at or []:
         print(side_by_side(rows, budget))
+    if compared:
+        print(paired_markdown(compared))
     if args.wandb_group:
         log_to_wandb(rows, files, args.wandb_group, args.wandb_project, args.wandb_mode)
 

@@ -30,7 +30,7 @@ def needle_rows(results_dir: Path) -> list[dict[str, Any]]:
         for line in (results_dir / record["outputs"]).read_text().splitlines():
             output = json.loads(line)
             if output["depth"] is not None:
-                by_depth.setdefault(output["depth"], []).append(output["score"])
+                by_depth.setdefault(output["depth"], []).append(output["scores"]["string_match_all"])
         rows.append(
             {
                 **{key: record[key] for key in SETTING},

@@ -99,7 +99,8 @@ def _umask() -> int:
 
 
 def outputs_path(record: Path) -> Path:
-    """The per-document outputs of a generation run, next to its record."""
+    """The per-document outputs of a run (each document's id and scores, and what a runner adds), next to its
+    record."""
     return record.with_name(f"{record.stem}.outputs.jsonl")
 
 

@@ -165,8 +165,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         fields, outputs = longcontext.evaluate(model, tokenizer, policy, config)
         table = None
     else:
-        fields, table = _loglikelihood(model, tokenizer, policy, config, work_dir)
-        outputs = None
+        fields, outputs, table = _loglikelihood(model, tokenizer, policy, config, work_dir)
     record = {
         "schema_version": results.SCHEMA_VERSION,
         "model": config["model"]["name"],
@@ -186,9 +185,8 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         "git": results.git_commit(),
         "config": config,
     }
-    if outputs is not None:
-        record["outputs"] = results.outputs_path(path).name
-        results.write_jsonl(results.outputs_path(path), outputs)
+    record["outputs"] = results.outputs_path(path).name
+    results.write_jsonl(results.outputs_path(path), outputs)
     results.write_record(path, record)
 
     if table:
@@ -232,8 +230,11 @@ def record_failure(config: dict[str, Any], error: BaseException) -> Path:
     return path
 
 
-def _loglikelihood(model, tokenizer, policy: Policy, config: dict[str, Any], work_dir: Path) -> tuple[dict, str]:
-    """Score a log-likelihood task with lm-eval under ``patch``; returns (record fields, lm-eval's table)."""
+def _loglikelihood(
+    model, tokenizer, policy: Policy, config: dict[str, Any], work_dir: Path
+) -> tuple[dict, list[dict], str]:
+    """Score a log-likelihood task with lm-eval under ``patch``; returns (record fields, per-document scores,
+    lm-eval's table)."""
     from lm_eval.utils import make_table
 
     from h2o_eval.backend import patch
@@ -257,7 +258,7 @@ def _loglikelihood(model, tokenizer, policy: Policy, config: dict[str, Any], wor
         "n_samples": output["n-samples"][name]["effective"],
         "capacity": session.capacity_stats(),
     }
-    return fields, make_table(output)
+    return fields, harness.document_scores(output, name), make_table(output)
 
 
 def summary_line(record: dict[str, Any]) -> str:

@@ -140,6 +140,7 @@ def test_record_rouge_equals_rouge_score_on_the_saved_outputs(tmp_path, data_dir
     for name in ("rouge1", "rouge2", "rougeL"):
         recomputed = sum(scorer.score(r["reference"], r["prediction"])[name].fmeasure for r in rows) / len(rows)
         assert record["metrics"][name] == pytest.approx(recomputed, abs=1e-12)
+        assert record["metrics"][name] == pytest.approx(sum(r["scores"][name] for r in rows) / len(rows), abs=1e-12)
     assert record["metrics"]["rouge1"] > 0
     assert all("###" not in r["prediction"] for r in rows)
     stats = record["generation"]

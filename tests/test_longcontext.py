@@ -230,8 +230,10 @@ def test_cli_writes_a_record_and_outputs_with_depths_answers_and_scores(tmp_path
     for output in outputs:
         assert output["answers"] and all(answer in output["prompt"] for answer in output["answers"])
         assert 252 <= output["prompt_tokens"] <= 256
-        assert output["score"] == longcontext.string_match_all(output["prediction"], output["answers"])
-    assert record["metrics"]["string_match_all"] == pytest.approx(sum(o["score"] for o in outputs) / 5)
+        score = output["scores"]["string_match_all"]
+        assert score == longcontext.string_match_all(output["prediction"], output["answers"])
+    per_document = [o["scores"]["string_match_all"] for o in outputs]
+    assert record["metrics"]["string_match_all"] == pytest.approx(sum(per_document) / 5)
     cli(300)
     assert len(list((tmp_path / "out").glob("*.json"))) == 2, "the length is part of a record's identity"
 

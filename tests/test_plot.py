@@ -6,6 +6,7 @@ import csv
 import os
 
 import pytest
+from matplotlib.collections import PathCollection
 
 from h2o_eval import plot, results
 
@@ -124,7 +125,7 @@ def test_plot_skips_a_truncated_record_and_a_foreign_json_naming_them(results_di
     (results_dir / "truncated.json").write_text('{"task": "copa", "metr')
     (results_dir / "foreign.json").write_text('{"foo": 1}')
     plot.main([str(results_dir), "--out", str(tmp_path / "plots")])
-    warnings = capsys.readouterr().err.splitlines()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert f"warning: skipped {results_dir / 'foreign.json'} is not a record (no model, task" in warnings[0]
     assert warnings[1].startswith(f"warning: skipped {results_dir / 'truncated.json'} is not valid JSON")
     assert len(warnings) == 2
@@ -158,3 +159,77 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
     assert "note: copa has records of limit=10, limit=50, all documents: they are drawn and tabled apart" in (
         capsys.readouterr().err
     )
+
+
+def paired_record(folder, name, task, policy, budget, outcomes, protocol="simulate", ids=None):
+    """A record with per-document 0/1 ``acc`` outcomes in its outputs file."""
+    ids = ids or list(range(len(outcomes)))
+    results.write_jsonl(
+        folder / f"{name}.outputs.jsonl",
+        [{"id": i, "scores": {"acc": float(o)}} for i, o in zip(ids, outcomes, strict=True)],
+    )
+    record = fake_record(task, policy, budget, sum(outcomes) / len(outcomes), protocol=protocol)
+    results.write_record(folder / f"{name}.json", {**record, "limit": None, "outputs": f"{name}.outputs.jsonl"})
+
+
+@pytest.fixture
+def paired_dir(tmp_path):
+    right = [1] * 30 + [0] * 10  # full cache: 30 of 40
+    paired_record(tmp_path, "copa-full", "copa", "full", 1.0, right)
+    paired_record(tmp_path, "copa-h2o", "copa", "h2o", 0.2, right[:-2] + [1, 1])  # 2 more right: not significant
+    paired_record(tmp_path, "copa-local", "copa", "local", 0.2, [0] * 20 + right[20:])  # 20 fewer: significant
+    paired_record(tmp_path, "piqa-full", "piqa", "full", 1.0, [1, 0] * 10, protocol="prefill")
+    paired_record(tmp_path, "piqa-h2o", "piqa", "h2o", 0.2, [1, 0] * 10)
+    paired_record(tmp_path, "piqa-local", "piqa", "local", 0.2, [0, 0] * 10)
+    paired_record(tmp_path, "piqa-tova", "piqa", "tova", 0.2, [1] * 20, ids=list(range(100, 120)))  # other documents
+    tova = {**fake_record("copa", "tova", 0.2, 0.7), "limit": None}  # no per-document scores
+    results.write_record(tmp_path / "copa-tova.json", tova)
+    return tmp_path
+
+
+def test_paired_rows_compare_each_run_with_the_full_cache_document_by_document(paired_dir):
+    rows = plot.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"]): r for r in plot.paired_rows(rows, paired_dir)}
+    assert set(compared) == {
+        ("copa", "h2o"),
+        ("copa", "local"),
+        ("piqa", "h2o"),  # against piqa's full cache of another protocol: the full cache holds everything in any
+        ("piqa", "local"),
+        ("mean of 2 tasks", "h2o"),
+        ("mean of 2 tasks", "local"),
+    }  # tova is left out twice: other documents, and no per-document scores
+    h2o, local = compared["copa", "h2o"]["paired"], compared["copa", "local"]["paired"]
+    assert h2o.difference == pytest.approx(2 / 40) and h2o.p_mcnemar == pytest.approx(0.5)  # 2 discordant pairs
+    assert not h2o.significant
+    assert local.difference == pytest.approx(-20 / 40) and local.p_mcnemar == pytest.approx(2 / 2**20)
+    assert local.significant
+    piqa_local = compared["piqa", "local"]["paired"]
+    mean = compared["mean of 2 tasks", "local"]
+    assert mean["paired"].difference == pytest.approx((local.difference + piqa_local.difference) / 2)
+    assert mean["paired"].low < mean["paired"].difference < mean["paired"].high
+
+
+def test_against_a_policy_pairs_the_same_budget_and_protocol(paired_dir):
+    rows = plot.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"]): r for r in plot.paired_rows(rows, paired_dir, against="local")}
+    assert set(compared) == {("copa", "h2o"), ("piqa", "h2o"), ("mean of 2 tasks", "h2o")}
+    assert compared["copa", "h2o"]["paired"].difference == pytest.approx(22 / 40)
+    assert compared["copa", "h2o"]["baseline"] == pytest.approx(10 / 40)
+
+
+def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired_dir, tmp_path):
+    plot.main([str(paired_dir), "--out", str(tmp_path / "plots")])
+    table = (tmp_path / "plots" / "paired_full.md").read_text().splitlines()
+    copa = {line.split(" | ")[3]: line for line in table if line.startswith("| copa ")}
+    assert copa["local"].startswith(
+        "| copa | tiny-llama | simulate | local | 20% | acc | 40 | 0.250 | 0.750 | -0.500 ["
+    )
+    assert copa["local"].endswith(" * | 1.91e-06 |")
+    assert " * |" not in copa["h2o"]
+    rows = plot.table(results.load_records(paired_dir))
+    significant = frozenset(plot._setting(r) for r in plot.paired_rows(rows, paired_dir) if r["paired"].significant)
+    figure = plot.figure(rows, "copa", significant)
+    rings = [c for c in figure.axes[0].collections if isinstance(c, PathCollection) and len(c.get_offsets())]
+    ringed = [c.get_offsets().tolist() for c in rings]
+    assert ringed == [[[20.0, 0.25]]]  # local at 20 %, 10 of 40 right
+    assert "differs from full (95 % CI)" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]

@@ -12,7 +12,7 @@ from h2o_eval import plot, plot_needle, results
 def write_run(folder, policy, budget, length, scores, created="2026-11-22T00:00:00+00:00", task="niah_single"):
     """A record and its outputs: ``scores`` maps each depth (None: no needle) to its documents' scores."""
     name = f"{task}_{policy}_{budget}_{length}_{created[:10]}"
-    outputs = [{"depth": d, "score": s} for d, values in scores.items() for s in values]
+    outputs = [{"depth": d, "scores": {"string_match_all": s}} for d, values in scores.items() for s in values]
     results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
     record = {
         "model": "tiny-llama",
@@ -25,7 +25,7 @@ def write_run(folder, policy, budget, length, scores, created="2026-11-22T00:00:
         "length": length,
         "n_samples": len(outputs),
         "created": created,
-        "metrics": {"string_match_all": sum(o["score"] for o in outputs) / len(outputs)},
+        "metrics": {"string_match_all": sum(o["scores"]["string_match_all"] for o in outputs) / len(outputs)},
         "outputs": f"{name}.outputs.jsonl",
     }
     results.write_record(folder / f"{name}.json", record)

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import make_config
 
-from h2o_eval import hub, results, tracking
+from h2o_eval import hub, results, stats, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.run import _warn_tiny_budget, execute, run, validate
 
@@ -187,6 +187,18 @@ def test_record_carries_the_policy_protocol_and_realised_capacities(tmp_path, da
     assert capacity["sequences"] == 12  # 6 documents x 2 choices, each scored once
     assert 1 <= capacity["capacity_min"] <= capacity["capacity_mean"] <= capacity["capacity_max"]
     assert 0.25 <= capacity["kept_fraction_mean"] < 0.5  # ceil(0.25 * length) of short COPA requests
+
+
+def test_per_document_scores_of_a_record_match_its_metrics(tmp_path, data_dir):
+    """lm-eval's logged samples are kept beside the record: the paired comparisons read them."""
+    config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="piqa", limit=7)
+    record = run(config, tmp_path / "work")
+    rows = [json.loads(line) for line in (tmp_path / "results" / record["outputs"]).read_text().splitlines()]
+    assert [row["id"] for row in rows] == list(range(7))
+    for metric in ("acc", "acc_norm"):
+        per_document = stats.document_scores(record, tmp_path / "results", metric)
+        assert set(per_document.values()) <= {0.0, 1.0}
+        assert record["metrics"][metric] == pytest.approx(sum(per_document.values()) / 7, abs=1e-12)
 
 
 def test_generation_settings_are_checked_before_the_model_loads(tmp_path, data_dir, no_model_loading):
