@@ -57,9 +57,7 @@ def test_a_budget_covering_prompt_and_output_changes_nothing(tiny, name, protoco
     batch = prompts_batch(tokenizer)
     plain = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     params = {"window": 2} if name in ("snapkv", "pyramidkv", "adakv") else {}
-    cache = EvictionCache(
-        model, make_policy(name, budget=batch.input_ids.shape[1] + 16, **params), protocol=protocol
-    )
+    cache = EvictionCache(model, make_policy(name, budget=batch.input_ids.shape[1] + 16, **params), protocol=protocol)
     evicting = model.generate(
         **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=cache
     )
