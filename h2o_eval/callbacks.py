@@ -21,6 +21,8 @@ def plain_config(cfg: DictConfig) -> dict[str, Any]:
     for key in ("data_dir", "results_dir"):
         if config[key] is not None:
             config[key] = to_absolute_path(config[key])
+    if config["task"].get("include_path") is not None:
+        config["task"]["include_path"] = to_absolute_path(config["task"]["include_path"])
     return config
 
 

@@ -36,7 +36,9 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
         raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
     kind = config["task"]["kind"]
-    generating = kind in ("generation", "synthetic")
+    generating = kind in ("generation", "synthetic") or (
+        kind == "lm_eval" and harness.output_type(config["task"]) == "generate_until"
+    )
     num_fewshot = (
         task_default(config["task"], "num_fewshot") if config["num_fewshot"] is None else config["num_fewshot"]
     )
@@ -72,20 +74,23 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"generation.{key}={value!r}: use an integer >= 1, or null for the task's default")
     fields = tuple(generation.template(config["task"])["fields"].values()) if kind == "generation" else ()
     for path in data.data_files(config):
-        data.read_jsonl(path, fields)
+        if path.suffix == ".jsonl":
+            data.read_jsonl(path, fields)
+    if kind == "lm_eval":
+        harness.primary_metric(config["task"])
     if kind == "synthetic":
         longcontext.check(config["task"], config["data_dir"])
         if num_fewshot:
             raise ConfigError(f"task {config['task']['name']} has no few-shot examples: drop num_fewshot={num_fewshot}")
-    elif config["data_dir"] is None:
-        hub.check_dataset(config["task"]["name"], _hub_dataset(config["task"]))
+    elif config["data_dir"] is None and (dataset := _hub_dataset(config["task"])) is not None:
+        hub.check_dataset(config["task"]["name"], dataset)
     check_available(config["model"])
     _check_writable(Path(config["results_dir"]))
     return {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot}
 
 
-def _hub_dataset(task: dict[str, Any]) -> str:
-    """The hub dataset a task loads without ``data_dir``."""
+def _hub_dataset(task: dict[str, Any]) -> str | None:
+    """The hub dataset a task loads without ``data_dir`` (None: its lm-eval YAML names local files)."""
     return task["hub"]["path"] if task["kind"] == "generation" else harness.hub_dataset(task)
 
 
@@ -165,7 +170,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         fields, outputs = longcontext.evaluate(model, tokenizer, policy, config)
         table = None
     else:
-        fields, table = _loglikelihood(model, tokenizer, policy, config, work_dir)
+        fields, table = _lm_eval_task(model, tokenizer, policy, config, work_dir)
         outputs = None
     record = {
         "schema_version": results.SCHEMA_VERSION,
@@ -232,14 +237,15 @@ def record_failure(config: dict[str, Any], error: BaseException) -> Path:
     return path
 
 
-def _loglikelihood(model, tokenizer, policy: Policy, config: dict[str, Any], work_dir: Path) -> tuple[dict, str]:
-    """Score a log-likelihood task with lm-eval under ``patch``; returns (record fields, lm-eval's table)."""
+def _lm_eval_task(model, tokenizer, policy: Policy, config: dict[str, Any], work_dir: Path) -> tuple[dict, str]:
+    """Score a task with lm-eval under ``patch`` (generating through an EvictionCache); returns (record fields,
+    lm-eval's table)."""
     from lm_eval.utils import make_table
 
     from h2o_eval.backend import patch
 
     with patch(model, policy, protocol=config["protocol"], kernels=config["kernels"]) as session:
-        output = harness.evaluate(
+        output, capacity = harness.evaluate(
             model,
             tokenizer,
             config["task"],
@@ -250,13 +256,17 @@ def _loglikelihood(model, tokenizer, policy: Policy, config: dict[str, Any], wor
             limit=config["limit"],
             batch_size=config["batch_size"],
             seed=config["seed"],
+            kernels=config["kernels"],
         )
     name = config["task"]["name"]
     fields = {
+        "metric": harness.primary_metric(config["task"]),
         "metrics": harness.metrics(output, name),
         "n_samples": output["n-samples"][name]["effective"],
-        "capacity": session.capacity_stats(),
+        "capacity": capacity,
     }
+    if config["task"]["kind"] == "lm_eval":
+        fields["output_type"] = harness.output_type(config["task"])
     return fields, make_table(output)
 
 
