@@ -15,6 +15,8 @@ from h2o_eval import data, generation, harness, hub, longcontext, results, track
 from h2o_eval.conf import task_default
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_kernels, check_protocol, make_policy
+from h2o_eval.threads import apply as apply_threads
+from h2o_eval.threads import default_threads
 
 TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of the sequence is worth a warning
 WANDB_MODES = ("offline", "online", "disabled")
@@ -48,6 +50,9 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
     if not _is_int(config["seed"]):
         raise ConfigError(f"seed={config['seed']!r}: use an integer")
+    threads = default_threads(None) if config["threads"] is None else config["threads"]
+    if not _is_int(threads) or threads < 1:
+        raise ConfigError(f"threads={threads!r}: use an integer >= 1, or null for the cores this job may use")
     protocol = config["protocol"] or task_default(config["task"], "protocol")
     if generating and not policy.has_cache:
         raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
@@ -86,7 +91,7 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
         hub.check_dataset(config["task"]["name"], dataset)
     check_available(config["model"])
     _check_writable(Path(config["results_dir"]))
-    return {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot}
+    return {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot, "threads": threads}
 
 
 def _hub_dataset(task: dict[str, Any]) -> str | None:
@@ -148,6 +153,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
 
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
     start = time.perf_counter()
+    applied_threads = apply_threads(config["threads"])
     model, tokenizer = load_model(config["model"], device=config["device"], dtype=config["dtype"])
     policy = policy_of(config)
     if config["task"]["kind"] == "generation":
@@ -185,6 +191,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         "seed": config["seed"],
         "data": data.fingerprint(config),
         **fields,
+        "threads": applied_threads,
         "wall_seconds": round(time.perf_counter() - start, 3),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": results.versions(),
