@@ -103,10 +103,10 @@ class EvictionLM(HFLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
         self.context_lengths: dict[tuple[int, ...], int] = {}
-        for (prompt, _), context, continuation in requests:
+        for key, context, continuation in requests:  # key: (prompt, continuation), or (None,) for rolling windows
             fed = (context + continuation)[-(self.max_length + 1) :][:-1]
             if self.session.protocol == "context":
-                demonstrations = self.tok_encode(prompt[: self.question_starts[prompt]])
+                demonstrations = self.tok_encode(key[0][: self.question_starts[key[0]]])
                 cut = len(context) + len(continuation) - 1 - len(fed)  # tokens lost to left truncation
                 self.context_lengths[tuple(fed)] = max(0, common_prefix(demonstrations, context) - cut)
             else:
