@@ -188,3 +188,15 @@ def test_lm_eval_cli_gives_the_numbers_of_h2o_eval(tasks, records, tmp_path):
         assert record["protocol"] == protocol
         for metric, value in record["metrics"].items():
             assert got[f"{metric},none"] == value, (task, metric)
+
+
+def test_a_group_is_refused_with_one_line_naming_the_fix(tmp_path):
+    (tmp_path / "group.yaml").write_text(yaml.safe_dump({"group": "both_tasks", "task": ["mc_task", "gen_task"]}))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    args = ("model=tiny-llama", "task=lm_eval", "task.name=both_tasks", f"task.include_path={tmp_path}")
+    done = subprocess.run(
+        [sys.executable, "-m", "h2o_eval", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 2
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: task.name=both_tasks is an lm-eval group of several tasks: name its tasks")
