@@ -4,6 +4,7 @@ cores instead of each taking all of them."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 # Read by OpenMP, the BLAS builds and numexpr when they load: libraries a job loads later follow the setting.
@@ -39,8 +40,10 @@ def default_threads(launcher: dict[str, Any] | None) -> int:
 def apply(threads: int) -> dict[str, Any]:
     """Use ``threads`` threads in torch, numba and the BLAS (through threadpoolctl when it is installed, and the
     environment for libraries loaded later). Returns what each library reports afterwards."""
-    for variable in (*THREAD_VARIABLES, "NUMBA_NUM_THREADS"):
-        os.environ[variable] = str(threads)  # NUMBA_NUM_THREADS: numba's ceiling, if numba is not loaded yet
+    for variable in THREAD_VARIABLES:
+        os.environ[variable] = str(threads)
+    if "numba" not in sys.modules:  # numba's ceiling, read once on import; changed later, numba refuses to compile
+        os.environ["NUMBA_NUM_THREADS"] = str(threads)
     import numba
     import torch
 

@@ -46,3 +46,30 @@ def test_the_default_shares_the_cores_among_parallel_jobs(monkeypatch):
     assert threads.default_threads({"_target_": joblib, "n_jobs": -1}) == 1
     assert threads.default_threads({"_target_": ray, "ray": {"remote": {}}}) == 1
     assert threads.default_threads({"_target_": ray, "ray": {"remote": {"num_cpus": 3}}}) == 3
+
+
+def test_a_loaded_numba_keeps_compiling_after_the_setting(monkeypatch):
+    """numba reads its ceiling once; changing NUMBA_NUM_THREADS after its threads started would make every later
+    compilation fail. With numba loaded, the setting is capped at the ceiling and the environment left alone."""
+    import numba
+    import numpy as np
+    import torch
+
+    monkeypatch.setattr(os, "environ", os.environ.copy())  # the settings' variables end with the test
+    before = torch.get_num_threads()
+    ceiling = numba.config.NUMBA_NUM_THREADS
+    numba.set_num_threads(ceiling)  # numba's threads are running
+    try:
+        applied = threads.apply(ceiling + 1)
+
+        @numba.njit(parallel=True)
+        def total(values):
+            sum_ = 0.0
+            for i in numba.prange(values.shape[0]):
+                sum_ += values[i]
+            return sum_
+
+        assert total(np.ones(7)) == 7.0
+        assert applied["numba"] == ceiling and applied["torch"] == ceiling + 1
+    finally:
+        threads.apply(before)
