@@ -1,6 +1,8 @@
-"""Log-likelihood tasks scored by lm-eval in-process, with lm-eval's own task YAMLs.
+"""Tasks scored by lm-eval in-process, with lm-eval's own task YAMLs: the paper's log-likelihood tasks
+(``conf/task/<name>.yaml``) and, with ``task=lm_eval``, any task lm-eval knows or the user's own YAMLs
+(``task.include_path``), log-likelihood and ``generate_until`` alike.
 
-For each run we write a one-task YAML that ``include:``s the installed lm-eval YAML and, with ``data_dir``,
+For each run we write a one-task YAML that ``include:``s the task's lm-eval YAML and, with ``data_dir``,
 overrides only where the data comes from: ``dataset_path: json`` reading ``<data_dir>/<task>/<split>.jsonl``.
 Prompts, choices and metrics stay lm-eval's. Locally only the evaluated split exists, so it becomes lm-eval's
 ``test_split`` and its few-shot pool; lm-eval then removes the scored document from its own few-shot draw.
