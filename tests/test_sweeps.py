@@ -72,7 +72,7 @@ def test_a_ray_sweep_writes_the_records_of_the_basic_launcher(tmp_path, data_dir
     assert "Ray Launcher is launching 2 jobs" in ray.stdout + ray.stderr
     assert "2 ran, 0 skipped, 0 failed" in ray.stdout
     assert list(Path(ray_dir).glob("session_*/logs/worker-*.out")), "no Ray worker ran a job"
-    left = subprocess.run(["pgrep", "-f", ray_dir], capture_output=True, text=True).stdout.split()
+    left = [proc.parent.name for proc in Path("/proc").glob("[0-9]*/cmdline") if ray_dir in _read(proc)]
     assert not left, f"Ray processes outlived the sweep: {left}"
     shutil.rmtree(ray_dir, ignore_errors=True)
     expected = {p.name: json.loads(p.read_text()) for p in (tmp_path / "basic").glob("*.json")}
@@ -123,3 +123,11 @@ def test_a_failing_job_is_recorded_and_the_others_run(tmp_path, data_dir):
     (failure,) = (tmp_path / "out" / "failed").glob("*.json")
     saved = json.loads(failure.read_text())
     assert saved["error"].startswith("ConfigError: no data file") and saved["config"]["task"]["name"] == "rte"
+
+
+def _read(path: Path) -> str:
+    """A file of /proc, or "" if its process ended meanwhile."""
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
