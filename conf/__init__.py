@@ -13,7 +13,14 @@ DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill", "synth
 
 def task_default(task: Mapping[str, Any], setting: str) -> Any:
     """``protocol`` or ``num_fewshot`` when not given: simulate and 0 shots for log-likelihood tasks; prefill
-    and the template's shots (``tasks/<template>.yaml``) for summarisation."""
+    and the template's shots (``tasks/<template>.yaml``) for summarisation; for ``task=lm_eval``, by the task's
+    requests (prefill for ``generate_until``, else simulate) and its YAML's ``num_fewshot`` (0 if none)."""
+    if task["kind"] == "lm_eval":
+        from h2o_eval import harness
+
+        if setting == "protocol":
+            return "prefill" if harness.output_type(dict(task)) == "generate_until" else "simulate"
+        return harness.task_config(dict(task)).get("num_fewshot") or 0
     if setting == "protocol":
         return DEFAULT_PROTOCOL[task["kind"]]
     if task["kind"] == "generation":

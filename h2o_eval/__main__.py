@@ -8,11 +8,12 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from h2o_eval.callbacks import plain_config
 from h2o_eval.errors import ConfigError
 from h2o_eval.run import execute, fail, record_failure
+from h2o_eval.threads import default_threads
 
 STATUS_FILE = "status.json"
 
@@ -25,6 +26,8 @@ def main(cfg: DictConfig) -> str:
     config = plain_config(cfg)
     work_dir = Path(hydra_config.runtime.output_dir)
     sweeping = hydra_config.mode == RunMode.MULTIRUN
+    if config["threads"] is None:
+        config["threads"] = default_threads(OmegaConf.to_container(hydra_config.launcher, resolve=True))
     if sweeping and config["wandb"]["group"] is None:
         config["wandb"]["group"] = Path(hydra_config.sweep.dir).name
     status: dict[str, str] = {"overrides": " ".join(hydra_config.overrides.task)}

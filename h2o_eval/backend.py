@@ -61,9 +61,12 @@ def _attention(
 ) -> tuple[torch.Tensor, None]:
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     layer = routing.pending
+    session = getattr(module, "_h2o_eval_session", None)
     if layer is not None and layer.pending is not None and layer.pending[0] is key:
         output = layer.attend(module, query, key, value, attention_mask, scaling)
-    elif (session := getattr(module, "_h2o_eval_session", None)) is not None:
+        if session is not None:  # generating through an EvictionCache inside patch(): this layer evicted
+            session.calls.add(module.layer_idx)
+    elif session is not None:
         output = session.attend(module, query, key, value, attention_mask, scaling)
     else:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)

@@ -11,16 +11,30 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from h2o_eval.errors import ConfigError
 
 
 def plain_config(cfg: DictConfig) -> dict[str, Any]:
-    """A run's settings as a plain dict (without Hydra's own node), its paths absolute from the launch folder."""
-    config = OmegaConf.to_container(OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True)
+    """A run's settings as a plain dict (without Hydra's own node), its paths absolute from the launch folder. A
+    setting that a task-dependent default cannot resolve raises its own :class:`ConfigError`."""
+    try:
+        config = OmegaConf.to_container(
+            OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"]), resolve=True
+        )
+    except InterpolationResolutionError as error:
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise cause from None
     for key in ("data_dir", "results_dir"):
         if config[key] is not None:
             config[key] = to_absolute_path(config[key])
+    if config["task"].get("include_path") is not None:
+        config["task"]["include_path"] = to_absolute_path(config["task"]["include_path"])
     return config
 
 

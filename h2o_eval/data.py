@@ -22,12 +22,20 @@ def data_files(config: dict[str, Any]) -> list[Path]:
         from h2o_eval import longcontext
 
         return [path for path, _ in longcontext.haystack_files(config["task"], config.get("data_dir"))]
-    if config.get("data_dir") is None:
-        return []
     from h2o_eval import generation, harness
 
-    module = generation if config["task"]["kind"] == "generation" else harness
-    return [module.local_data_file(config["task"], config["data_dir"])]
+    task = config["task"]
+    own = harness.task_files(task)
+    if config.get("data_dir") is None:
+        return own + [_existing(path, task) for path in harness.named_data_files(task)] if own else []
+    module = generation if task["kind"] == "generation" else harness
+    return [*own, module.local_data_file(task, config["data_dir"])]
+
+
+def _existing(path: Path, task: dict[str, Any]) -> Path:
+    if not path.is_file():
+        raise ConfigError(f"task {task['name']} reads {path}, which does not exist: fix its YAML's data_files")
+    return path
 
 
 def read_jsonl(path: Path, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:

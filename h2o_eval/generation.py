@@ -104,22 +104,32 @@ def pad_context(contexts: list[list[int]], questions: list[list[int]], pad: int,
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device), width
 
 
-def generate(model: Any, cache: Any, input_ids: Any, attention_mask: Any, context_width: int | None, **kwargs: Any):
-    """``model.generate`` through ``cache``. With a ``context_width``, the context columns are fed first as one
-    chunk (the cache prefills and compresses them before the question exists); ``generate`` then feeds the
-    question under the policy's decoding rule, and decodes."""
+def feed_context(model: Any, cache: Any, input_ids: Any, attention_mask: Any, context_width: int | None) -> None:
+    """With a ``context_width``, feed the context columns through ``cache`` as one chunk: the cache prefills and
+    compresses them before the question exists. Nothing to do without one, or with an empty question (as
+    prefill)."""
     import torch
 
+    if context_width is None or context_width >= input_ids.shape[1]:
+        return
+    mask = attention_mask[:, :context_width]
     with torch.no_grad():
-        if context_width is not None and context_width < input_ids.shape[1]:  # an empty question: as prefill
-            mask = attention_mask[:, :context_width]
-            model(
-                input_ids[:, :context_width],
-                attention_mask=mask,
-                position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                past_key_values=cache,
-                use_cache=True,
-            )
+        model(
+            input_ids[:, :context_width],
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+        )
+
+
+def generate(model: Any, cache: Any, input_ids: Any, attention_mask: Any, context_width: int | None, **kwargs: Any):
+    """``model.generate`` through ``cache``, the context columns fed first (:func:`feed_context`); ``generate``
+    then feeds the question under the policy's decoding rule, and decodes."""
+    import torch
+
+    feed_context(model, cache, input_ids, attention_mask, context_width)
+    with torch.no_grad():
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
 
 

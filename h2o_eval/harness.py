@@ -1,6 +1,8 @@
-"""Log-likelihood tasks scored by lm-eval in-process, with lm-eval's own task YAMLs.
+"""Tasks scored by lm-eval in-process, with lm-eval's own task YAMLs: the paper's log-likelihood tasks
+(``conf/task/<name>.yaml``) and, with ``task=lm_eval``, any task lm-eval knows or the user's own YAMLs
+(``task.include_path``), log-likelihood and ``generate_until`` alike.
 
-For each run we write a one-task YAML that ``include:``s the installed lm-eval YAML and, with ``data_dir``,
+For each run we write a one-task YAML that ``include:``s the task's lm-eval YAML and, with ``data_dir``,
 overrides only where the data comes from: ``dataset_path: json`` reading ``<data_dir>/<task>/<split>.jsonl``.
 Prompts, choices and metrics stay lm-eval's. Locally only the evaluated split exists, so it becomes lm-eval's
 ``test_split`` and its few-shot pool; lm-eval then removes the scored document from its own few-shot draw.
@@ -8,6 +10,7 @@ Prompts, choices and metrics stay lm-eval's. Locally only the evaluated split ex
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,23 +39,101 @@ def lm_eval_tasks_dir() -> Path:
     return Path(lm_eval.__file__).parent / "tasks"
 
 
+@functools.lru_cache(maxsize=4)
+def _index(include_path: str | None) -> dict[str, Any]:
+    """lm-eval's task index: of ``include_path`` alone, or of lm-eval's own tasks (None); built once per process."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is None:
+        return TaskManager().task_index
+    return TaskManager(include_path=include_path, include_defaults=False).task_index
+
+
+def _entry(task: dict[str, Any]) -> Any:
+    """lm-eval's index entry of a ``task=lm_eval`` task: found under ``task.include_path`` first, then among
+    lm-eval's own tasks."""
+    from lm_eval.tasks._index import Kind
+
+    name, include_path = task["name"], task.get("include_path")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise ConfigError(f"task.include_path={include_path} is not a folder: give the folder of your task YAMLs")
+    entry = (_index(include_path).get(name) if include_path else None) or _index(None).get(name)
+    if entry is None:
+        where = f"neither under {include_path} nor" if include_path else "not"
+        raise ConfigError(f"task.name={name} is {where} among lm-eval's tasks: check it (`lm-eval ls tasks`)")
+    if entry.kind not in (Kind.TASK, Kind.PY_TASK) or entry.yaml_path is None:
+        raise ConfigError(
+            f"task.name={name} is an lm-eval {entry.kind.name.lower()} of several tasks: name its tasks, e.g. "
+            "--multirun task.name=a,b"
+        )
+    return entry
+
+
+def source_yaml(task: dict[str, Any]) -> Path:
+    """The lm-eval YAML that defines ``task``: one of lm-eval's own, or the user's (``task.include_path``)."""
+    if task["kind"] == "lm_eval":
+        return Path(_entry(task).yaml_path)
+    return lm_eval_tasks_dir() / task["lm_eval_yaml"]
+
+
+def task_config(task: dict[str, Any]) -> dict[str, Any]:
+    """The task's lm-eval config as lm-eval reads it (``include:`` resolved, ``!function`` left unresolved)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(source_yaml(task), resolve_func=False)
+
+
+def output_type(task: dict[str, Any]) -> str:
+    """lm-eval's request type for the task: ``multiple_choice``, ``loglikelihood``, ``generate_until`` ..."""
+    return task_config(task).get("output_type", "generate_until")
+
+
+def primary_metric(task: dict[str, Any]) -> str:
+    """The record's headline metric: ``task.metric`` if set, else the first of the task's ``metric_list``, with
+    the first filter's name when the task filters its outputs (as lm-eval keys its results)."""
+    config = task_config(task)
+    names = [m["metric"] for m in config.get("metric_list", [])] or ["acc"]
+    chosen = task.get("metric") or names[0]
+    if chosen not in names:
+        raise ConfigError(f"task.metric={chosen}: task {task['name']} reports {', '.join(names)}; pick one of them")
+    filters = [f["name"] for f in config.get("filter_list", [])]
+    return chosen if not filters or filters[0] == "none" else f"{chosen},{filters[0]}"
+
+
 def evaluated_split(task: dict[str, Any]) -> str:
     """The split lm-eval scores for this task: its ``test_split``, else its ``validation_split``."""
-    source = lm_eval_tasks_dir() / task["lm_eval_yaml"]
-    config = yaml.load(source.read_text(), Loader=_IgnoreTagsLoader)
+    config = task_config(task)
     split = config.get("test_split") or config.get("validation_split")
     if not split:
-        raise ConfigError(f"{source} names no test or validation split: pick another task")
+        raise ConfigError(f"{source_yaml(task)} names no test or validation split: pick another task")
     return split
 
 
-def hub_dataset(task: dict[str, Any]) -> str:
-    """The hub dataset lm-eval loads for this task without ``data_dir`` (its YAML's ``dataset_path``)."""
-    source = lm_eval_tasks_dir() / task["lm_eval_yaml"]
-    config = yaml.load(source.read_text(), Loader=_IgnoreTagsLoader)
-    if "dataset_path" not in config and "include" in config:
-        config = yaml.load((source.parent / config["include"]).read_text(), Loader=_IgnoreTagsLoader)
-    return config["dataset_path"]
+def named_data_files(task: dict[str, Any]) -> list[Path]:
+    """The local files a task's own YAML reads (its ``dataset_kwargs.data_files``), as paths from the working
+    folder."""
+    files = task_config(task).get("dataset_kwargs", {}).get("data_files") or []
+    values = files.values() if isinstance(files, dict) else [files]
+    return [Path(name) for value in values for name in ([value] if isinstance(value, str) else value)]
+
+
+def hub_dataset(task: dict[str, Any]) -> str | None:
+    """The hub dataset lm-eval loads for this task without ``data_dir`` (its YAML's ``dataset_path``), or None
+    when its YAML reads local files."""
+    return None if named_data_files(task) else task_config(task)["dataset_path"]
+
+
+def task_files(task: dict[str, Any]) -> list[Path]:
+    """The user's task files a ``task=lm_eval`` task's results depend on: the YAMLs and Python helpers under
+    ``task.include_path`` (none for lm-eval's own tasks, which lm-eval's version pins)."""
+    folder = task.get("include_path")
+    if task["kind"] != "lm_eval" or not folder:
+        return []
+    return sorted(
+        path
+        for path in Path(folder).rglob("*")
+        if path.suffix in (".yaml", ".yml", ".py") and "__pycache__" not in path.parts
+    )
 
 
 def local_data_file(task: dict[str, Any], data_dir: str | Path) -> Path:
@@ -67,7 +148,7 @@ def task_yaml(task: dict[str, Any], data_dir: str | Path | None) -> dict[str, An
     """The lm-eval task config for one run: lm-eval's YAML, plus local data files when ``data_dir`` is set."""
     config: dict[str, Any] = {
         "task": task["name"],
-        "include": str(lm_eval_tasks_dir() / task["lm_eval_yaml"]),
+        "include": str(source_yaml(task)),
     }
     if data_dir is not None:
         split = evaluated_split(task)
@@ -105,17 +186,24 @@ def evaluate(
     limit: int | float | None,
     batch_size: int,
     seed: int,
-) -> dict[str, Any]:
-    """Score ``model`` (patched: ``session`` is its backend session) on ``task`` with lm-eval.
+    kernels: str = "auto",
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Score ``model`` (patched: ``session`` is its backend session) on ``task`` with lm-eval, generating (for
+    ``generate_until`` tasks) through an EvictionCache with ``kernels``.
 
-    Returns lm-eval's results dict (with ``n-samples`` and the per-document ``samples``).
+    Returns lm-eval's results dict (with ``n-samples`` and the per-document ``samples``) and the realised
+    capacities.
     """
     from lm_eval import simple_evaluate
 
+    from h2o_eval.eviction_lm import EvictionLM
+
     manager = task_manager(task, data_dir, work_dir / "lm_eval_tasks")
     lm_task = manager.load([task["name"]])["tasks"][task["name"]]
-    lm = eviction_lm(model, tokenizer, session, batch_size, lm_task)
-    return simple_evaluate(
+    lm = EvictionLM(
+        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, session=session, kernels=kernels, task=lm_task
+    )
+    output = simple_evaluate(
         model=lm,
         tasks=[lm_task],
         num_fewshot=num_fewshot,
@@ -127,6 +215,7 @@ def evaluate(
         torch_random_seed=seed,
         fewshot_random_seed=seed,
     )
+    return output, lm.capacity_stats()
 
 
 def question_start(lm_task: Any, doc: dict[str, Any], prompt: str) -> int:
@@ -143,7 +232,7 @@ def question_start(lm_task: Any, doc: dict[str, Any], prompt: str) -> int:
     return min(ends)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     count = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -152,66 +241,11 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return count
 
 
-def eviction_lm(model: Any, tokenizer: Any, session: Session, batch_size: int, lm_task: Any = None) -> Any:
-    """lm-eval's HFLM, telling the backend each padded row's real length and context length.
-
-    HFLM right-pads a batch and calls the model without a mask. Per-sequence budgets need each row's length
-    (simulate: the request, context + continuation minus its last token) and where its context ends: for
-    ``prefill`` the whole prompt, for ``context`` the demonstrations before the scored document's own text
-    (found with ``lm_task``). Both are looked up from the requests HFLM is about to score.
-    """
-    import torch
-    from lm_eval.models.huggingface import HFLM
-
-    class EvictionLM(HFLM):
-        def loglikelihood(self, requests, disable_tqdm=False):
-            if session.protocol == "context":
-                self.question_starts = {
-                    request.args[0]: question_start(lm_task, request.doc, request.args[0]) for request in requests
-                }
-            return super().loglikelihood(requests, disable_tqdm)
-
-        def _loglikelihood_tokens(self, requests, disable_tqdm=False, override_bs=None):
-            self.context_lengths: dict[tuple[int, ...], int] = {}
-            for (prompt, _), context, continuation in requests:
-                fed = (context + continuation)[-(self.max_length + 1) :][:-1]
-                if session.protocol == "context":
-                    demonstrations = self.tok_encode(prompt[: self.question_starts[prompt]])
-                    cut = len(context) + len(continuation) - 1 - len(fed)  # tokens lost to left truncation
-                    self.context_lengths[tuple(fed)] = max(0, _common_prefix(demonstrations, context) - cut)
-                else:
-                    self.context_lengths[tuple(fed)] = max(1, len(fed) - len(continuation) + 1)
-            return super()._loglikelihood_tokens(requests, disable_tqdm, override_bs)
-
-        def _model_call(self, inps, attn_mask=None, labels=None):
-            lengths, contexts = zip(*(self._lookup(row) for row in inps.tolist()), strict=True)
-            mask = torch.arange(inps.shape[1], device=inps.device) < torch.tensor(lengths, device=inps.device)[:, None]
-            session.context_lengths = list(contexts)
-            with (
-                torch.no_grad(),
-                torch.autocast(
-                    device_type=self.device.type,
-                    dtype=self.mixed_precision_dtype,
-                    enabled=self.mixed_precision_dtype is not None,
-                ),
-            ):
-                return self.model(inps, attention_mask=mask.long()).logits
-
-        def _lookup(self, row: list[int]) -> tuple[int, int]:
-            for length in range(len(row), 0, -1):
-                if (context := self.context_lengths.get(tuple(row[:length]))) is not None:
-                    return length, context
-                if row[length - 1] != 0:  # lm-eval pads with 0: a real token ends the search
-                    break
-            raise RuntimeError("a batch row matches no request being scored: lm-eval's batching changed")
-
-    return EvictionLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-
-
 def metrics(results: dict[str, Any], task_name: str) -> dict[str, float]:
-    """lm-eval's metrics for one task without the filter suffix: ``acc``, ``acc_stderr``, ``acc_norm`` ..."""
+    """lm-eval's metrics for one task: ``acc``, ``acc_stderr``, ``acc_norm`` ...; a metric of a filter other
+    than ``none`` keeps lm-eval's key (``exact_match,strict-match``)."""
     return {
-        key.split(",")[0]: value
+        key.removesuffix(",none"): value
         for key, value in results["results"][task_name].items()
         if "," in key and isinstance(value, int | float)
     }
@@ -219,20 +253,18 @@ def metrics(results: dict[str, Any], task_name: str) -> dict[str, float]:
 
 def document_scores(results: dict[str, Any], task_name: str) -> list[dict[str, Any]]:
     """One row per scored document of ``task_name`` from lm-eval's logged samples: its ``id`` (lm-eval's
-    ``doc_id``), ``target`` and ``scores`` (each metric of the task's ``metric_list`` for that document)."""
-    names = {key.split(",")[0] for key in results["results"][task_name] if "," in key}
-    return [
-        {
-            "id": sample["doc_id"],
-            "target": sample["target"],
-            "scores": {name: float(sample[name]) for name in sorted(names) if name in sample},
-        }
-        for sample in sorted(results["samples"][task_name], key=lambda sample: sample["doc_id"])
-    ]
-
-
-class _IgnoreTagsLoader(yaml.SafeLoader):
-    """Reads lm-eval YAMLs for their plain keys, leaving ``!function`` tags unresolved."""
-
-
-_IgnoreTagsLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    ``doc_id``), ``target`` and ``scores``: that document's value of every metric :func:`metrics` reports, under
+    the same name, where it is a number (a corpus-level metric such as ``brier_score`` or F1 keeps per-document
+    tuples for its aggregation, which are not scores)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for key in results["results"][task_name]:
+        if "," not in key or key.endswith("_stderr") or "_stderr," in key:
+            continue
+        metric, kept = key.split(",", 1)
+        for sample in results["samples"][task_name]:
+            if sample.get("filter", "none") == kept and isinstance(sample.get(metric), int | float):
+                row = rows.setdefault(
+                    sample["doc_id"], {"id": sample["doc_id"], "target": sample["target"], "scores": {}}
+                )
+                row["scores"][key.removesuffix(",none")] = float(sample[metric])
+    return [rows[doc_id] for doc_id in sorted(rows)]

@@ -42,12 +42,12 @@ COLUMNS = (
 
 
 def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
-    """One row per run with a fraction budget: the task's primary metric (``acc``, or ``rouge2`` for
-    summarisation) unless ``metric`` names another, sorted by task, model, protocol, policy and budget. Of
-    records that agree on every column but the numbers, the newest is kept."""
+    """One row per run with a fraction budget: the task's primary metric (the record's ``metric``, else ``acc``,
+    or ``rouge2`` for summarisation) unless ``metric`` names another, sorted by task, model, protocol, policy and
+    budget. Of records that agree on every column but the numbers, the newest is kept."""
     newest: dict[tuple, dict[str, Any]] = {}
     for record in sorted(records, key=lambda r: r["created"]):
-        name = metric or PRIMARY_METRIC.get(record["task"], "acc")
+        name = metric or record.get("metric") or PRIMARY_METRIC.get(record["task"], "acc")
         if name not in record["metrics"] or not isinstance(record["budget"], float):
             continue
         row = {
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results_dir", nargs="?", default="results", type=Path)
     parser.add_argument("--task", nargs="*", help="only these tasks")
     parser.add_argument("--model", nargs="*", help="only these models")
-    parser.add_argument("--metric", help="metric to plot (default: acc, rouge2 for summarisation)")
+    parser.add_argument("--metric", help="metric to plot (default: the record's, else acc)")
     parser.add_argument("--out", type=Path, help="output folder (default: <results_dir>/plots)")
     parser.add_argument("--at", type=float, nargs="*", help="also tables of the policies side by side at these budgets")
     parser.add_argument("--wandb-group", help="also log the figures and table to W&B, in this group")

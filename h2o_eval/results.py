@@ -22,7 +22,7 @@ SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "h2o_eval")
 # Settings that change where a run is written or how it is reported, never its numbers. The data's folder is
 # not identity, its content is (``data`` in :func:`identity`).
-NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "data_dir", "kernels")
+NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "data_dir", "kernels", "threads")
 # What every record holds and the plot reads; a JSON file without these is not a record.
 RECORD_KEYS = (
     "model",
@@ -44,8 +44,10 @@ class UnreadableRecord(ValueError):
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:
     """The part of a resolved config that determines a run's numbers, plus the data it reads: ``hub``, or the
-    hash of the local files' content (see :func:`h2o_eval.data.fingerprint`)."""
+    hash of the local files' content (see :func:`h2o_eval.data.fingerprint`; for ``task=lm_eval`` with
+    ``task.include_path`` also the task's YAMLs, whose folder, like ``data_dir``, is not identity)."""
     ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY}
+    ident["task"] = {key: value for key, value in config["task"].items() if key != "include_path"}
     if config["task"].get("kind") != "generation":
         ident.pop("generation", None)
     ident["data"] = data.fingerprint(config)

@@ -15,6 +15,8 @@ from h2o_eval import data, generation, harness, hub, longcontext, results, track
 from h2o_eval.conf import task_default
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_kernels, check_protocol, make_policy
+from h2o_eval.threads import apply as apply_threads
+from h2o_eval.threads import default_threads
 
 TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of the sequence is worth a warning
 WANDB_MODES = ("offline", "online", "disabled")
@@ -36,7 +38,9 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
         raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
     kind = config["task"]["kind"]
-    generating = kind in ("generation", "synthetic")
+    generating = kind in ("generation", "synthetic") or (
+        kind == "lm_eval" and harness.output_type(config["task"]) == "generate_until"
+    )
     num_fewshot = (
         task_default(config["task"], "num_fewshot") if config["num_fewshot"] is None else config["num_fewshot"]
     )
@@ -46,6 +50,9 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
     if not _is_int(config["seed"]):
         raise ConfigError(f"seed={config['seed']!r}: use an integer")
+    threads = default_threads(None) if config["threads"] is None else config["threads"]
+    if not _is_int(threads) or threads < 1:
+        raise ConfigError(f"threads={threads!r}: use an integer >= 1, or null for the cores this job may use")
     protocol = config["protocol"] or task_default(config["task"], "protocol")
     if generating and not policy.has_cache:
         raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
@@ -72,20 +79,23 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"generation.{key}={value!r}: use an integer >= 1, or null for the task's default")
     fields = tuple(generation.template(config["task"])["fields"].values()) if kind == "generation" else ()
     for path in data.data_files(config):
-        data.read_jsonl(path, fields)
+        if path.suffix == ".jsonl":
+            data.read_jsonl(path, fields)
+    if kind == "lm_eval":
+        harness.primary_metric(config["task"])
     if kind == "synthetic":
         longcontext.check(config["task"], config["data_dir"])
         if num_fewshot:
             raise ConfigError(f"task {config['task']['name']} has no few-shot examples: drop num_fewshot={num_fewshot}")
-    elif config["data_dir"] is None:
-        hub.check_dataset(config["task"]["name"], _hub_dataset(config["task"]))
+    elif config["data_dir"] is None and (dataset := _hub_dataset(config["task"])) is not None:
+        hub.check_dataset(config["task"]["name"], dataset)
     check_available(config["model"])
     _check_writable(Path(config["results_dir"]))
-    return {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot}
+    return {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot, "threads": threads}
 
 
-def _hub_dataset(task: dict[str, Any]) -> str:
-    """The hub dataset a task loads without ``data_dir``."""
+def _hub_dataset(task: dict[str, Any]) -> str | None:
+    """The hub dataset a task loads without ``data_dir`` (None: its lm-eval YAML names local files)."""
     return task["hub"]["path"] if task["kind"] == "generation" else harness.hub_dataset(task)
 
 
@@ -143,6 +153,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
 
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
     start = time.perf_counter()
+    applied_threads = apply_threads(config["threads"])
     model, tokenizer = load_model(config["model"], device=config["device"], dtype=config["dtype"])
     policy = policy_of(config)
     if config["task"]["kind"] == "generation":
@@ -165,7 +176,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         fields, outputs = longcontext.evaluate(model, tokenizer, policy, config)
         table = None
     else:
-        fields, outputs, table = _loglikelihood(model, tokenizer, policy, config, work_dir)
+        fields, outputs, table = _lm_eval_task(model, tokenizer, policy, config, work_dir)
     record = {
         "schema_version": results.SCHEMA_VERSION,
         "model": config["model"]["name"],
@@ -179,6 +190,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         "seed": config["seed"],
         "data": data.fingerprint(config),
         **fields,
+        "threads": applied_threads,
         "wall_seconds": round(time.perf_counter() - start, 3),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": results.versions(),
@@ -230,17 +242,17 @@ def record_failure(config: dict[str, Any], error: BaseException) -> Path:
     return path
 
 
-def _loglikelihood(
+def _lm_eval_task(
     model, tokenizer, policy: Policy, config: dict[str, Any], work_dir: Path
 ) -> tuple[dict, list[dict], str]:
-    """Score a log-likelihood task with lm-eval under ``patch``; returns (record fields, per-document scores,
-    lm-eval's table)."""
+    """Score a task with lm-eval under ``patch`` (generating through an EvictionCache); returns (record fields,
+    per-document scores, lm-eval's table)."""
     from lm_eval.utils import make_table
 
     from h2o_eval.backend import patch
 
     with patch(model, policy, protocol=config["protocol"], kernels=config["kernels"]) as session:
-        output = harness.evaluate(
+        output, capacity = harness.evaluate(
             model,
             tokenizer,
             config["task"],
@@ -251,13 +263,17 @@ def _loglikelihood(
             limit=config["limit"],
             batch_size=config["batch_size"],
             seed=config["seed"],
+            kernels=config["kernels"],
         )
     name = config["task"]["name"]
     fields = {
+        "metric": harness.primary_metric(config["task"]),
         "metrics": harness.metrics(output, name),
         "n_samples": output["n-samples"][name]["effective"],
-        "capacity": session.capacity_stats(),
+        "capacity": capacity,
     }
+    if config["task"]["kind"] == "lm_eval":
+        fields["output_type"] = harness.output_type(config["task"])
     return fields, harness.document_scores(output, name), make_table(output)
 
 

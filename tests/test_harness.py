@@ -15,6 +15,13 @@ from h2o_eval.run import run
 TASKS = ("copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande")
 
 
+class _IgnoreTagsLoader(yaml.SafeLoader):
+    """Reads lm-eval YAMLs for their plain keys, leaving ``!function`` tags unresolved (None)."""
+
+
+_IgnoreTagsLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
 def test_run_acc_equals_lm_eval_simple_evaluate(tmp_path, data_dir):
     """Reference: lm-eval's simple_evaluate on a hand-written local-data COPA YAML; implementation: run()."""
     from lm_eval import simple_evaluate
@@ -55,9 +62,7 @@ def test_every_task_loads_all_local_documents_with_lm_eval_prompts(tmp_path, dat
     task = make_config(data_dir, tmp_path, task=name)["task"]
     path = harness.local_data_file(task, data_dir)
     loaded = _load_local_task(tmp_path, data_dir, name)
-    original = yaml.load(
-        (harness.lm_eval_tasks_dir() / task["lm_eval_yaml"]).read_text(), Loader=harness._IgnoreTagsLoader
-    )
+    original = yaml.load(harness.source_yaml(task).read_text(), Loader=_IgnoreTagsLoader)
 
     docs = list(loaded.eval_docs)
     assert len(docs) == sum(1 for _ in path.open())
@@ -96,10 +101,11 @@ def _load_local_task(tmp_path, data_dir, name):
 @pytest.mark.parametrize("protocol", ["simulate", "prefill"])
 def test_padded_lm_eval_batches_score_like_each_request_alone(protocol):
     """Reference: each request scored alone (no padding) with the context length set by hand; implementation:
-    lm-eval's HFLM batching through eviction_lm, which must recover every row's length and context length."""
+    lm-eval's HFLM batching through EvictionLM, which must recover every row's length and context length."""
     import torch
 
     from h2o_eval import make_policy, patch
+    from h2o_eval.eviction_lm import EvictionLM
 
     model, tokenizer = load_model("tiny-llama", device="cpu")
     texts = [
@@ -111,7 +117,7 @@ def test_padded_lm_eval_batches_score_like_each_request_alone(protocol):
     requests = [((c, x), tokenizer(c).input_ids, tokenizer(x).input_ids) for c, x in texts]
     policy = make_policy("h2o", budget=0.3)
     with patch(model, policy, protocol=protocol) as session:
-        lm = harness.eviction_lm(model, tokenizer, session, batch_size=4)
+        lm = EvictionLM(pretrained=model, tokenizer=tokenizer, batch_size=4, session=session)
         batched = [ll for ll, _ in lm._loglikelihood_tokens(requests, disable_tqdm=True)]
         for (_, context, continuation), got in zip(requests, batched, strict=True):
             ids = torch.tensor([context + continuation[:-1]])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +47,40 @@ def test_a_sweep_through_a_launcher_writes_each_record_once(tmp_path, data_dir, 
     found = records(tmp_path / "out")
     assert sorted(found) == sorted(EXPECTED)
     assert "6 ran, 2 skipped, 0 failed" in done.stdout
+    cores = len(os.sched_getaffinity(0))
+    threads = {json.loads(p.read_text())["threads"]["threads"] for p in (tmp_path / "out").glob("*.json")}
+    assert threads == {max(1, cores // 2) if launcher[0].endswith("joblib") else cores}  # the cores a job may use
+
+
+def test_a_ray_sweep_writes_the_records_of_the_basic_launcher(tmp_path, data_dir):
+    """Reference: the basic launcher (jobs in turn, in the sweep's process); implementation: hydra/launcher=ray
+    on a local Ray instance that the sweep starts (two workers) and that ends with it."""
+    args = ("model=tiny-llama", "task=copa", "policy=full,h2o", "limit=4", "batch_size=4", f"data_dir={data_dir}")
+    basic = sweep(*args, "results_dir=basic", cwd=tmp_path)
+    assert basic.returncode == 0, basic.stdout[-3000:] + basic.stderr[-3000:]
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    ray = sweep(
+        *args,
+        "results_dir=ray",
+        "hydra/launcher=ray",
+        "+hydra.launcher.ray.init.num_cpus=2",
+        "+hydra.launcher.ray.init.include_dashboard=false",
+        f"+hydra.launcher.ray.init._temp_dir={ray_dir}",
+        cwd=tmp_path,
+    )
+    assert ray.returncode == 0, ray.stdout[-3000:] + ray.stderr[-3000:]
+    assert "Ray Launcher is launching 2 jobs" in ray.stdout + ray.stderr
+    assert "2 ran, 0 skipped, 0 failed" in ray.stdout
+    assert list(Path(ray_dir).glob("session_*/logs/worker-*.out")), "no Ray worker ran a job"
+    left = [proc.parent.name for proc in Path("/proc").glob("[0-9]*/cmdline") if ray_dir in _read(proc)]
+    assert not left, f"Ray processes outlived the sweep: {left}"
+    shutil.rmtree(ray_dir, ignore_errors=True)
+    expected = {p.name: json.loads(p.read_text()) for p in (tmp_path / "basic").glob("*.json")}
+    got = {p.name: json.loads(p.read_text()) for p in (tmp_path / "ray").glob("*.json")}
+    assert got.keys() == expected.keys() and len(got) == 2
+    for name, record in got.items():
+        assert record["metrics"] == expected[name]["metrics"] and record["capacity"] == expected[name]["capacity"]
+        assert record["threads"]["threads"] == 1  # Ray's task default: one CPU per job
 
 
 def test_a_sweep_killed_mid_run_resumes_with_only_what_is_missing(tmp_path, data_dir):
@@ -86,3 +123,11 @@ def test_a_failing_job_is_recorded_and_the_others_run(tmp_path, data_dir):
     (failure,) = (tmp_path / "out" / "failed").glob("*.json")
     saved = json.loads(failure.read_text())
     assert saved["error"].startswith("ConfigError: no data file") and saved["config"]["task"]["name"] == "rte"
+
+
+def _read(path: Path) -> str:
+    """A file of /proc, or "" if its process ended meanwhile."""
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:
+        return ""

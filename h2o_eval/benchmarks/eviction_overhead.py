@@ -31,7 +31,7 @@ def time_policy(
 ) -> tuple[float, float]:
     with patch(model, policy, protocol=protocol, kernels=kernels) as session:
         start = time.perf_counter()
-        output = harness.evaluate(
+        output, _ = harness.evaluate(
             model,
             tokenizer,
             harness.task_registry()[task],
