@@ -6,23 +6,12 @@ import itertools
 
 import pytest
 import torch
+from conftest import TINY
 
 from h2o_eval import EvictionCache, load_model, make_policy, patch
 from h2o_eval.errors import ConfigError
 
-# Every family the backend is tested on; tiny-gemma3's sliding layers (window 8) are crossed by every test sequence.
-FAMILIES = [
-    "tiny-llama",
-    "tiny-llama3",
-    "tiny-mistral",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-phi3",
-    "tiny-gemma3",
-    "tiny-opt",
-    "tiny-gpt-neox",
-    "tiny-gpt2",
-]
+FAMILIES = TINY
 EVICTING = ["h2o", "local", "heavy", "streaming", "tova", "random"]
 ALL = ["full", *EVICTING, "h2o_reference"]
 # Compress the prompt, then keep every later token (prefill and context protocols only); small windows so that a

@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 
 from h2o_eval import load_model, make_policy, patch
 from h2o_eval.backend import layer_windows
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import registry
-
-TINY = [
-    "tiny-llama",
-    "tiny-llama3",
-    "tiny-mistral",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-phi3",
-    "tiny-gemma3",
-    "tiny-opt",
-    "tiny-gpt-neox",
-    "tiny-gpt2",
-]
 
 
 def test_unknown_model_lists_the_registered_names():
