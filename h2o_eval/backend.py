@@ -122,18 +122,18 @@ def layer_windows(model: torch.nn.Module) -> tuple[list[int | None], int | None]
     cache, or None for a layer the policy compresses; the window that bounds every layer when the model has no
     global layer, else None).
 
-    In a model that mixes sliding and global layers (Gemma 2/3, Qwen2/3 with ``max_window_layers``), a sliding
+    In a model that mixes sliding and global layers (Gemma 3, Qwen2/3 with ``max_window_layers``), a sliding
     layer keeps exactly what the model's own mask gives it, its last W tokens, and the policy compresses the
     global layers, as kvpress does for Gemma 3. In a model whose every layer slides (Mistral v0.1, Phi-3 with
-    ``sliding_window`` set) the policy compresses every layer, and a sequence longer than W is refused.
+    ``sliding_window`` set; no ``layer_types``) the policy compresses every layer, and a sequence longer than W
+    is refused.
     """
     config = _text_config(model)
     window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
-    windows = [window if kind == "sliding_attention" else None for kind in kinds]
-    if all(w is not None for w in windows):
-        return [None] * len(windows), window
-    return windows, None
+    kinds = getattr(config, "layer_types", None)
+    if not kinds or all(kind == "sliding_attention" for kind in kinds):
+        return [None] * config.num_hidden_layers, window
+    return [window if kind == "sliding_attention" else None for kind in kinds], None
 
 
 def check_window(window: int | None, length: int) -> None:
