@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import TINY
 
-from h2o_eval import load_model, make_policy, patch
+from h2o_eval import EvictionCache, load_model, make_policy, patch
 from h2o_eval.backend import layer_windows
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import registry
@@ -76,3 +76,22 @@ def test_tiny_models_are_deterministic_and_share_the_real_tokenizer(name):
     ids = tokenizer("Heavy hitters keep the cache small.", return_tensors="pt").input_ids
     assert first.config.vocab_size == len(tokenizer)
     torch.testing.assert_close(first(ids).logits, second(ids).logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_gemma3_simulate_equals_token_by_token_eviction_cache():
+    """On the real model: patch(simulate) with H2O at C = 12 of 48 tokens (36 evictions in each global layer)
+    equals an EvictionCache fed one token at a time (last hidden states), and differs from the full cache."""
+    model, _ = load_model("gemma3-270m", device="cpu")
+    ids = torch.randint(100, 200000, (1, 48), generator=torch.Generator().manual_seed(1))
+    policy = make_policy("h2o", budget=12)
+    with patch(model, policy):
+        simulated = model.model(ids).last_hidden_state
+    cache = EvictionCache(model, policy)
+    stepped = torch.cat(
+        [model.model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).last_hidden_state for i in range(48)], 1
+    )
+    scale = simulated.abs().max()  # Gemma's hidden states run into the hundreds: compare relative to them
+    assert (simulated - stepped).abs().max() <= 1e-5 * scale
+    assert [layer.keys.shape[2] for layer in cache.layers if layer.window is None] == [12, 12, 12]
+    assert (simulated - model.model(ids).last_hidden_state).abs().max() > 1e-2 * scale
