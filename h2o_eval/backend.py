@@ -22,7 +22,11 @@ from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, atten
 from h2o_eval.policies import UNBOUNDED, Policy, check_kernels, check_protocol
 
 BACKEND = "h2o_eval"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "opt", "gpt_neox", "gpt2")
+# Layer kinds of transformers' ``config.layer_types`` that are softmax attention over a KV cache.
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
+# The families the test suite runs every equivalence on (tests/test_backend.py); others are accepted or refused by
+# what their attention does (check_supported), not by name.
+FAMILIES = "Llama (2, 3), Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, OPT, GPT-NeoX, GPT-2"
 # auto: Triton on CUDA tensors, the numba-compiled scan elsewhere; torch: the plain reference loop; triton: forced.
 KERNEL_FUNCTIONS = {"auto": attend_chunk, "torch": attend_chunk_reference, "triton": attend_chunk_triton}
 
@@ -82,13 +86,79 @@ def plain_attention(module, query, key, value, attention_mask, scaling) -> torch
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)[0].transpose(1, 2)
 
 
+def _text_config(model: torch.nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def check_supported(model: torch.nn.Module) -> None:
-    model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    """Refuse, in one line, a model whose attention eviction cannot reproduce: what decides is not the model's
+    name but whether its attention goes through transformers' AttentionInterface (un-repeated K/V, a layer
+    index per module), is plain softmax attention, and has no logit soft-capping. A forward in which a layer
+    still bypasses the backend fails at run time (``Session.check_forward``)."""
+    config = _text_config(model)
+    refused = f"model type {getattr(config, 'model_type', None)!r} cannot be patched for KV eviction: "
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYERS))
+    if other:
         raise ConfigError(
-            f"model type {model_type!r} cannot be patched for KV eviction: supported are "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            refused + f"its {', '.join(other)} layers hold no softmax KV cache; use a model of attention layers only"
         )
+    if not type(model).is_backend_compatible():
+        raise ConfigError(
+            refused + f"its attention does not go through transformers' AttentionInterface; use one of {FAMILIES}"
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ConfigError(
+            refused + "it soft-caps attention logits, which the eviction softmax does not; use a model without "
+            "attn_logit_softcapping (Gemma 3 rather than Gemma 2)"
+        )
+    modules = _attention_modules(model)
+    if len(modules) != config.num_hidden_layers:
+        raise ConfigError(
+            refused + f"{len(modules)} attention modules with a layer index for {config.num_hidden_layers} layers; "
+            f"use one of {FAMILIES}"
+        )
+
+
+def layer_windows(model: torch.nn.Module) -> tuple[list[int | None], int | None]:
+    """How sliding-window layers are treated: (per layer, the window W of a sliding layer that keeps its own
+    cache, or None for a layer the policy compresses; the window that bounds every layer when the model has no
+    global layer, else None).
+
+    In a model that mixes sliding and global layers (Gemma 3, Qwen2/3 with ``max_window_layers``), a sliding
+    layer keeps exactly what the model's own mask gives it, its last W tokens, and the policy compresses the
+    global layers, as kvpress does for Gemma 3. In a model whose every layer slides (Mistral v0.1, Phi-3 with
+    ``sliding_window`` set; no ``layer_types``) the policy compresses every layer, and a sequence longer than W
+    is refused.
+    """
+    config = _text_config(model)
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if not kinds or all(kind == "sliding_attention" for kind in kinds):
+        return [None] * config.num_hidden_layers, window
+    return [window if kind == "sliding_attention" else None for kind in kinds], None
+
+
+def check_window(window: int | None, length: int) -> None:
+    if window is not None and length > window:
+        raise ConfigError(
+            f"a sequence of {length} tokens is longer than the sliding window ({window}) of every layer of this "
+            f"model: eviction inside a sliding window is not supported; keep sequences to at most {window} tokens"
+        )
+
+
+def check_kv_heads(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kv_heads: int) -> None:
+    """The attention call got K/V un-repeated: one head per KV head of the model (GQA groups scored together)."""
+    if key.shape[1] != kv_heads or query.shape[1] % kv_heads:
+        raise ConfigError(
+            f"layer {module.layer_idx} passed K/V with {key.shape[1]} heads for {kv_heads} KV heads and "
+            f"{query.shape[1]} query heads: eviction scores un-repeated K/V; use a model that does not repeat them"
+        )
+
+
+def kv_head_count(model: torch.nn.Module) -> int:
+    config = _text_config(model)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -96,10 +166,13 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def key_validity(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    """[B, length] bool: which of the last ``length`` keys are real tokens (the last query row sees them all)."""
+    """[B, length] bool: which of the last ``length`` keys are real tokens. They are the chunk's own tokens, and
+    each real one is seen by its own query row (the diagonal), under a causal mask as under a sliding one,
+    which cuts the last row short."""
     if attention_mask is None:
         return torch.ones(batch, length, dtype=torch.bool, device=device)
-    return attention_mask[:, 0, -1, -length:].expand(batch, length)
+    own = attention_mask[:, 0, -length:, -length:].diagonal(dim1=-2, dim2=-1)
+    return own.expand(batch, length)
 
 
 def plan_tensors(
@@ -127,7 +200,9 @@ class Session:
     def __init__(self, model: torch.nn.Module, policy: Policy, protocol: str, kernels: str) -> None:
         self.policy, self.protocol = policy, protocol
         self.kernel = kernel_function(kernels, next(model.parameters()).device)
-        self.num_layers = model.config.num_hidden_layers
+        self.num_layers = _text_config(model).num_hidden_layers
+        self.kv_heads = kv_head_count(model)
+        self.windows, self.window = layer_windows(model)
         self.context_lengths: list[int] | None = None
         self.calls: set[int] = set()
         self.capacities: list[tuple[int, float]] = []  # (length the budget applies to, mean C over layers, heads)
@@ -145,10 +220,15 @@ class Session:
         batch, kv_heads, length = key.shape[0], key.shape[1], key.shape[2]
         if query.shape[2] != length:
             raise ConfigError("patch() scores whole sequences: pass no past_key_values (use EvictionCache to decode)")
+        check_kv_heads(module, query, key, self.kv_heads)
         valid = key_validity(attention_mask, batch, length, key.device)
         if self._forward is None:
             self._forward = self._start(valid)
         forward = self._forward
+        if (window := self.windows[layer]) is not None:  # a sliding layer keeps its own window (see layer_windows)
+            lengths = torch.tensor(forward["budget_lengths"], device=key.device).view(-1, 1)
+            self._record(layer, forward, lengths.clamp(max=window).expand(batch, kv_heads))
+            return plain_attention(module, query, key, value, attention_mask, scaling)
         plan = plan_tensors(self.policy, forward["budget_lengths"], layer, self.num_layers, kv_heads, key.device)
         own = self.policy.attention(query, key, value, valid, scaling)
         if own is not None:
@@ -180,6 +260,7 @@ class Session:
         length past which a capacity would evict."""
         batch, length = valid.shape
         lengths = valid.sum(-1).tolist()
+        check_window(self.window, max(lengths))
         if self.protocol == "simulate":
             budget_lengths, prefill = lengths, torch.zeros(batch, dtype=torch.int64, device=valid.device)
         else:
@@ -276,4 +357,4 @@ def patch(
             del module._h2o_eval_session
 
 
-__all__ = ["BACKEND", "UNBOUNDED", "Session", "check_supported", "patch"]
+__all__ = ["BACKEND", "UNBOUNDED", "Session", "check_supported", "layer_windows", "patch"]

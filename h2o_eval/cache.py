@@ -8,9 +8,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_eval.backend import (
     BACKEND,
+    check_kv_heads,
     check_supported,
+    check_window,
     kernel_function,
     key_validity,
+    kv_head_count,
+    layer_windows,
     plain_attention,
     plan_tensors,
     routing,
@@ -31,14 +35,19 @@ def _decode_triton(kernels: str, model: torch.nn.Module) -> bool:
 class EvictionLayer(CacheLayerMixin):
     """One layer's bounded cache: keys/values [B, Hkv, S, D] with each slot's held flag, position and score, and
     the layer's capacity per (sequence, KV head). Heads may hold different numbers of tokens (Ada-KV); a slot
-    that is not held is free and the next arriving token takes it."""
+    that is not held is free and the next arriving token takes it. A sliding layer of a model that also has
+    global layers (``window``) holds its last ``window`` - 1 tokens between forwards, as transformers' own
+    sliding cache does, and the policy does not touch it (see ``h2o_eval.backend.layer_windows``).
+
+    ``is_sliding`` stays False even there: transformers then builds masks over every position seen, so the last
+    columns of any layer's mask are the slots it holds."""
 
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, owner: EvictionCache, layer_idx: int) -> None:
+    def __init__(self, owner: EvictionCache, layer_idx: int, window: int | None = None) -> None:
         super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
+        self.owner, self.layer_idx, self.window = owner, layer_idx, window
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.slot: torch.Tensor | None = None  # [B, Hkv] slot the single arriving token took (decode steps)
@@ -63,7 +72,12 @@ class EvictionLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         routing.pending = self
-        if key_states.shape[2] == 1 and self.seen > 0 and (slot := self._claim(key_states)) is not None:
+        if (
+            self.window is None
+            and key_states.shape[2] == 1
+            and self.seen > 0
+            and (slot := self._claim(key_states)) is not None
+        ):
             # One token per sequence into a warm cache: evict (or take a free slot) right here, in place.
             index = slot.view(*slot.shape, 1, 1).expand(-1, -1, 1, key_states.shape[-1])
             self.keys.scatter_(2, index, key_states)
@@ -94,7 +108,11 @@ class EvictionLayer(CacheLayerMixin):
         self.pending, routing.pending = None, None
         owner = self.owner
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
+        check_kv_heads(module, query, key, owner.kv_heads)
         arriving = key_validity(attention_mask, batch, n, key.device)
+        check_window(owner.window, int((self.real_seen + arriving.sum(-1)).max()))
+        if self.window is not None:
+            return self._attend_window(module, query, key, value, attention_mask, scaling, arriving)
         if self.slot is not None:
             if not bool(arriving.all()):
                 raise RuntimeError(
@@ -147,6 +165,19 @@ class EvictionLayer(CacheLayerMixin):
         self.held, self.position, self.scores = held, position, scores
         self._advance(arriving)
         return result.output
+
+    def _attend_window(self, module, query, key, value, attention_mask, scaling, arriving) -> torch.Tensor:
+        """The model's own sliding-window attention over the slots held (the mask's last columns), then keep the
+        last ``window`` - 1 slots."""
+        if self.seen > 0 and not bool(arriving.all()):
+            raise RuntimeError("a padding token after the prompt: EvictionCache takes padding only in the first chunk")
+        mask = None if attention_mask is None else attention_mask[..., -key.shape[2] :]
+        output = plain_attention(module, query, key, value, mask, scaling)
+        keep = min(key.shape[2], self.window - 1)
+        self.keys, self.values = key[:, :, key.shape[2] - keep :], value[:, :, value.shape[2] - keep :]
+        self.held = torch.ones(key.shape[0], key.shape[1], keep, dtype=torch.bool, device=key.device)
+        self._advance(arriving)
+        return output
 
     def _advance(self, arriving: torch.Tensor) -> None:
         self.seen += arriving.shape[1]
@@ -202,10 +233,12 @@ class EvictionCache(Cache):
         self.kernel = kernel_function(kernels, next(model.parameters()).device)
         self.triton = _decode_triton(kernels, model)
         self.peak_entries = 0
-        self.num_layers = model.config.num_hidden_layers
+        windows, self.window = layer_windows(model)
+        self.num_layers = len(windows)
+        self.kv_heads = kv_head_count(model)
         self.lengths: list[int] | None = None
         self.prompt_held: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv] tokens kept when the prompt compressed
-        super().__init__(layers=[EvictionLayer(self, i) for i in range(self.num_layers)])
+        super().__init__(layers=[EvictionLayer(self, i, window) for i, window in enumerate(windows)])
         model.set_attn_implementation(BACKEND)
 
     def layer_plan(self, layer: int, arriving: torch.Tensor, kv_heads: int) -> dict[str, torch.Tensor]:
@@ -227,9 +260,13 @@ class EvictionCache(Cache):
 
     def capacity(self) -> torch.Tensor:
         """[B] realised C per sequence: tokens kept after the prompt (or the plan's C), mean over layers and KV
-        heads, at most the length the budget applies to."""
+        heads, at most the length the budget applies to; a sliding layer that keeps its own window counts as
+        min(length, window)."""
         per_layer = []
         for layer in self.layers:
+            if layer.window is not None and self.lengths is not None:
+                per_layer.append(torch.tensor(self.lengths, device=layer.keys.device).clamp(max=layer.window).float())
+                continue
             if layer.plan is None:
                 continue
             planned = layer.plan["capacity"].clamp(max=UNBOUNDED - 1)

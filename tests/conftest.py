@@ -21,6 +21,20 @@ from h2o_eval.eviction import Chunk  # noqa: E402
 from h2o_eval.policies import Rule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# Every tiny random family (conf/model/tiny-*.yaml); tiny-gemma3's sliding layers (window 8) are crossed by every
+# test sequence.
+TINY = [
+    "tiny-llama",
+    "tiny-llama3",
+    "tiny-mistral",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-phi3",
+    "tiny-gemma3",
+    "tiny-opt",
+    "tiny-gpt-neox",
+    "tiny-gpt2",
+]
 DATA_DIR = Path(os.environ.get("H2O_EVAL_DATA", REPO.parent / "shared" / "data"))
 
 

