@@ -345,14 +345,16 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
 
 def _attend_without_eviction(query, key, value, chunk: Chunk) -> Result:
     """Decode rows that can evict nothing and vote nothing: each sees the held slots and the arriving tokens
-    up to itself (a padding row sees itself), blocks of rows at a time."""
+    up to itself (a padding row sees itself), blocks of rows at a time from the first arriving row, as in
+    :func:`_scan_cpu` (the rows before it are the prompt's, whose output :func:`attend_chunk` keeps)."""
     n, slots = query.shape[2], key.shape[2]
     state = slots - n
     held = chunk.held.clone()
     held[..., state:] |= chunk.arriving.unsqueeze(1)
     output = torch.zeros_like(query)
     cols = torch.arange(slots, device=query.device)
-    for start in range(0, n, ROW_BLOCK):
+    first = int(chunk.arriving.any(0).int().argmax())
+    for start in range(first, n, ROW_BLOCK):
         stop = min(start + ROW_BLOCK, n)
         rows = torch.arange(start, stop, device=query.device)
         own = cols.view(1, -1) == (state + rows).view(-1, 1)
