@@ -256,15 +256,11 @@ def document_scores(results: dict[str, Any], task_name: str) -> list[dict[str, A
     ``doc_id``), ``target`` and ``scores``: that document's value of every metric :func:`metrics` reports, under
     the same name, where it is a number (a corpus-level metric such as ``brier_score`` or F1 keeps per-document
     tuples for its aggregation, which are not scores)."""
+    names = [key.split(",", 1) for key in metrics(results, task_name) if not key.split(",")[0].endswith("_stderr")]
     rows: dict[int, dict[str, Any]] = {}
-    for key in results["results"][task_name]:
-        if "," not in key or key.endswith("_stderr") or "_stderr," in key:
-            continue
-        metric, kept = key.split(",", 1)
-        for sample in results["samples"][task_name]:
-            if sample.get("filter", "none") == kept and isinstance(sample.get(metric), int | float):
-                row = rows.setdefault(
-                    sample["doc_id"], {"id": sample["doc_id"], "target": sample["target"], "scores": {}}
-                )
-                row["scores"][key.removesuffix(",none")] = float(sample[metric])
+    for sample in results["samples"][task_name]:
+        row = rows.setdefault(sample["doc_id"], {"id": sample["doc_id"], "target": sample["target"], "scores": {}})
+        for metric, *kept in names:
+            if sample.get("filter", "none") == (kept or ["none"])[0] and isinstance(sample.get(metric), int | float):
+                row["scores"][",".join([metric, *kept])] = float(sample[metric])
     return [rows[doc_id] for doc_id in sorted(rows)]

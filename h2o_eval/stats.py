@@ -80,11 +80,16 @@ def _binary(values: np.ndarray) -> bool:
     return bool(np.all((values == 0) | (values == 1)))
 
 
-def paired(a: list[float], b: list[float], *, resamples: int = RESAMPLES, seed: int = SEED) -> Paired:
-    """``a`` against ``b``, two equally long lists of per-document scores in the same document order."""
+def _pair(a: list[float], b: list[float]) -> tuple[np.ndarray, np.ndarray]:
     a_, b_ = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a_.shape != b_.shape or a_.ndim != 1 or not a_.size:
         raise ValueError(f"paired scores need two equally long, non-empty lists (got {a_.shape} and {b_.shape})")
+    return a_, b_
+
+
+def paired(a: list[float], b: list[float], *, resamples: int = RESAMPLES, seed: int = SEED) -> Paired:
+    """``a`` against ``b``, two equally long lists of per-document scores in the same document order."""
+    a_, b_ = _pair(a, b)
     difference, low, high = _interval([a_ - b_], resamples, seed)
     p = mcnemar(a_, b_) if _binary(a_) and _binary(b_) else None
     return Paired(a_.size, difference, low, high, p)
@@ -97,12 +102,7 @@ def paired_mean(
     documents within each task, so each task keeps its weight. No McNemar p-value (it is not one 2×2 table)."""
     if not pairs:
         raise ValueError("a mean over tasks needs at least one task")
-    differences = []
-    for a, b in pairs:
-        a_, b_ = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
-        if a_.shape != b_.shape or not a_.size:
-            raise ValueError(f"paired scores need two equally long, non-empty lists (got {a_.shape} and {b_.shape})")
-        differences.append(a_ - b_)
+    differences = [np.subtract(*_pair(a, b)) for a, b in pairs]
     difference, low, high = _interval(differences, resamples, seed)
     return Paired(sum(d.size for d in differences), difference, low, high, None)
 
