@@ -41,27 +41,45 @@ def column_scores_reference(
     valid: torch.Tensor,
     weights: torch.Tensor,
     scaling: float,
-    block: int = 256,
+    block: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention over a whole prompt and each key's weighted column sum of its probabilities.
 
     query [B, Hq, T, D]; key, value [B, Hkv, T, D] (Hq = G * Hkv, query head h*G+g reads KV head h);
     valid [B, T] bool (False: padding); weights [B, T] float, one per query row.
     Returns the output [B, Hq, T, D] in the query's dtype and columns [B, Hkv, T] float32, where
-    columns[b, h, j] = sum_i weights[b, i] * sum_g P[b, h*G+g, i, j]. Rows are processed ``block`` at a time,
-    so the T x T matrix never exists whole.
+    columns[b, h, j] = sum_i weights[b, i] * sum_g P[b, h*G+g, i, j].
+
+    The output is PyTorch's fused attention (no padding: plain causal; else the :func:`visible` mask). The
+    columns come from the rows that carry a weight, ``block`` rows at a time against the keys up to the block's
+    last row, so the T x T matrix never exists whole and rows that vote nothing (all but SnapKV's window, say)
+    cost nothing beyond the fused attention.
     """
-    length = query.shape[2]
-    output = torch.empty_like(query)
-    columns = torch.zeros(key.shape[:3], dtype=torch.float32, device=query.device)
+    batch, q_heads, length, _ = query.shape
+    kv_heads = key.shape[1]
+    group = q_heads // kv_heads
+    padded = not bool(valid.all())
     cols = torch.arange(length, device=query.device)
-    for start in range(0, length, block):
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query.float(),
+        key.float(),
+        value.float(),
+        attn_mask=visible(valid, cols, cols).unsqueeze(1) if padded else None,
+        is_causal=not padded,
+        scale=scaling,
+        enable_gqa=True,
+    ).to(query.dtype)
+    columns = torch.zeros(key.shape[:3], dtype=torch.float32, device=query.device)
+    voting = (weights != 0).any(0).nonzero()
+    first = int(voting[0]) // block * block if len(voting) else length
+    for start in range(first, length, block):
         stop = min(start + block, length)
-        logits = grouped_logits(query[:, :, start:stop], key, scaling)
-        seen = visible(valid, cols[start:stop], cols)
-        probs = torch.softmax(logits.masked_fill(~seen[:, None, None], -torch.inf), dim=-1)
-        output[:, :, start:stop] = grouped_values(probs, value).to(query.dtype)
-        columns += torch.einsum("bhgrn,br->bhn", probs, weights[:, start:stop].float())
+        logits = grouped_logits(query[:, :, start:stop], key[:, :, :stop], scaling)
+        seen = visible(valid, cols[start:stop], cols[:stop])
+        probs = torch.softmax(logits.masked_fill_(~seen[:, None, None], -torch.inf), dim=-1)
+        row_weights = weights[:, start:stop].float().repeat(1, group).view(batch, 1, 1, -1)
+        summed = torch.matmul(row_weights.expand(-1, kv_heads, -1, -1), probs.view(batch, kv_heads, -1, stop))
+        columns[..., :stop] += summed.squeeze(2)
     return output, columns
 
 

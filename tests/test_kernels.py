@@ -47,6 +47,39 @@ def test_column_scores_kernel_equals_reference(batch, heads, length, dim, dtype,
     assert expected_columns.sum() > 0
 
 
+@pytest.mark.parametrize("block", [5, 16, 128])
+@pytest.mark.parametrize("rows", ["all", "window", "none"])
+def test_column_scores_reference_equals_the_whole_matrix(block, rows):
+    """Reference: the T x T definition, one softmax over the whole masked matrix; implementation: the CPU path,
+    fused attention for the output and blocks of weighted rows for the columns (5 and 16 end inside the prompt,
+    128 holds it whole). Left and right padding, GQA 3; rows weighted all at random (H2O), in a 6-row window
+    that starts mid-block (SnapKV), or none."""
+    batch, q_heads, kv_heads, length, dim = 2, 6, 2, 37, 16
+    gen = torch.Generator().manual_seed(block)
+    query = torch.randn(batch, q_heads, length, dim, generator=gen)
+    key = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    value = torch.randn(batch, kv_heads, length, dim, generator=gen)
+    valid = torch.ones(batch, length, dtype=torch.bool)
+    valid[0, :4] = False
+    valid[1, -3:] = False
+    weights = {
+        "all": torch.rand(batch, length, generator=gen) * valid,
+        "window": torch.zeros(batch, length).index_fill_(1, torch.arange(length - 9, length - 3), 1.0),
+        "none": torch.zeros(batch, length),
+    }[rows]
+    cols = torch.arange(length)
+    causal = cols.view(-1, 1) >= cols.view(1, -1)
+    seen = causal & (valid.view(batch, 1, length) | torch.eye(length, dtype=torch.bool))
+    logits = query.view(batch, kv_heads, 3, length, dim) @ key.unsqueeze(2).transpose(-1, -2) / dim**0.5
+    probs = torch.softmax(logits.masked_fill(~seen.view(batch, 1, 1, length, length), -torch.inf), dim=-1)
+    expected = (probs @ value.unsqueeze(2)).view(batch, q_heads, length, dim)
+    expected_columns = (probs * weights.view(batch, 1, 1, length, 1)).sum(dim=(2, 3))
+    output, columns = column_scores_reference(query, key, value, valid, weights, dim**-0.5, block=block)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(columns, expected_columns, rtol=1e-5, atol=1e-5)
+    assert (expected_columns.sum() > 0) == (rows != "none")
+
+
 SCAN_GRID = [
     # batch, heads, new tokens, state slots, padding, head dim, dtype
     (2, (4, 4), 17, 0, "left", 64, torch.float32),
