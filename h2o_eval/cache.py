@@ -104,7 +104,10 @@ class EvictionLayer(CacheLayerMixin):
         self.scores.scatter_(-1, at, fresh)
         return slot
 
-    def attend(self, module, query, key, value, attention_mask, scaling) -> torch.Tensor:
+    def attend(self, module, query, key, value, attention_mask, scaling, output: bool = True) -> torch.Tensor | None:
+        """This layer's attention for the chunk ``update`` just took, and the cache state after it. Without
+        ``output`` (a :class:`SharedPrompt` pass, which computes the prompt's attention once) only the state is
+        computed, and None returned."""
         self.pending, routing.pending = None, None
         owner = self.owner
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
@@ -112,7 +115,7 @@ class EvictionLayer(CacheLayerMixin):
         arriving = key_validity(attention_mask, batch, n, key.device)
         check_window(owner.window, int((self.real_seen + arriving.sum(-1)).max()))
         if self.window is not None:
-            return self._attend_window(module, query, key, value, attention_mask, scaling, arriving)
+            return self._attend_window(module, query, key, value, attention_mask, scaling, arriving, output)
         if self.slot is not None:
             if not bool(arriving.all()):
                 raise RuntimeError(
@@ -133,7 +136,7 @@ class EvictionLayer(CacheLayerMixin):
             self.keys, self.values, self.held = key, value, entered
             self.position = torch.cat([self.position, new_position], dim=-1)
             self._advance(arriving)
-            return plain_attention(module, query, key, value, attention_mask, scaling)
+            return plain_attention(module, query, key, value, attention_mask, scaling) if output else None
         position = torch.cat([self.position, new_position], dim=-1).contiguous()
         fresh = starting_scores(owner.policy, key[:, :, -n:], new_position, self.layer_idx)
         chunk = Chunk(
@@ -147,6 +150,7 @@ class EvictionLayer(CacheLayerMixin):
             prefill=torch.full((batch,), n if first and owner.protocol != "simulate" else 0, device=key.device),
             rule=owner.policy.rule,
             scaling=scaling,
+            output=output,
         )
         result = owner.kernel(query, key, value, chunk)
         self.plan["capacity"] = result.capacity
@@ -166,18 +170,18 @@ class EvictionLayer(CacheLayerMixin):
         self._advance(arriving)
         return result.output
 
-    def _attend_window(self, module, query, key, value, attention_mask, scaling, arriving) -> torch.Tensor:
+    def _attend_window(self, module, query, key, value, attention_mask, scaling, arriving, output=True):
         """The model's own sliding-window attention over the slots held (the mask's last columns), then keep the
         last ``window`` - 1 slots."""
         if self.seen > 0 and not bool(arriving.all()):
             raise RuntimeError("a padding token after the prompt: EvictionCache takes padding only in the first chunk")
         mask = None if attention_mask is None else attention_mask[..., -key.shape[2] :]
-        output = plain_attention(module, query, key, value, mask, scaling)
+        result = plain_attention(module, query, key, value, mask, scaling) if output else None
         keep = min(key.shape[2], self.window - 1)
         self.keys, self.values = key[:, :, key.shape[2] - keep :], value[:, :, value.shape[2] - keep :]
         self.held = torch.ones(key.shape[0], key.shape[1], keep, dtype=torch.bool, device=key.device)
         self._advance(arriving)
-        return output
+        return result
 
     def _advance(self, arriving: torch.Tensor) -> None:
         self.seen += arriving.shape[1]
@@ -278,3 +282,55 @@ class EvictionCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes of keys and values the cache holds now."""
         return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.is_initialized)
+
+
+class SharedPromptLayer(CacheLayerMixin):
+    """One layer of :class:`SharedPrompt`: the chunk goes to every cache's layer, attention is computed once."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, layers: list[EvictionLayer]) -> None:
+        super().__init__()
+        self.layers = layers
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if any(layer.seen for layer in self.layers):
+            raise RuntimeError("SharedPrompt feeds the first chunk of empty caches only")
+        self.pending = [layer.update(key_states, value_states) for layer in self.layers][0]
+        routing.pending = self
+        return self.pending
+
+    def attend(self, module, query, key, value, attention_mask, scaling) -> torch.Tensor:
+        self.pending, routing.pending = None, None
+        for layer in self.layers:
+            layer.attend(module, query, key, value, attention_mask, scaling, output=False)
+        return plain_attention(module, query, key, value, attention_mask, scaling)
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class SharedPrompt(Cache):
+    """Feeds one first chunk (a prompt, or a context) to several empty :class:`EvictionCache` s of one model at
+    once. In the ``prefill`` and ``context`` protocols that chunk attends in full whatever the policy, so its
+    attention is computed once (as the full cache computes it), while each cache scores and compresses it by its
+    own policy; the caches then go on alone. Decoding through a ``SharedPrompt`` is refused: the policies part
+    there."""
+
+    def __init__(self, caches: list[EvictionCache]) -> None:
+        if any(cache.protocol == "simulate" for cache in caches):
+            raise ConfigError("simulate scores every row under eviction: its first chunk cannot be shared")
+        super().__init__(
+            layers=[SharedPromptLayer(list(layers)) for layers in zip(*(c.layers for c in caches), strict=True)]
+        )

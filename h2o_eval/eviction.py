@@ -55,6 +55,8 @@ class Chunk:
     capacity: [B, Hkv] int64, C per sequence and KV head (this layer's).
     recent, sinks, prefill: [B] int64; rows < ``prefill`` are prompt rows (only with an empty state).
     rule: the policy's score rule.
+    output: False when the caller computes the prompt rows' attention itself (:class:`h2o_eval.cache.SharedPrompt`):
+    they then only vote, and their output is left zero.
     """
 
     held: torch.Tensor
@@ -67,6 +69,7 @@ class Chunk:
     prefill: torch.Tensor
     rule: Rule
     scaling: float
+    output: bool = True
 
 
 @dataclass
@@ -318,8 +321,12 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
     scores = chunk.scores.float().clone()
     if weights is None:
         seen = visible(rows, torch.arange(last, device=q.device), torch.arange(last, device=q.device))
-        output = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=seen.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
+        output = (
+            torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=seen.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
+            )
+            if chunk.output
+            else None
         )
     else:
         if triton:
@@ -327,13 +334,14 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
 
             output, attention = column_scores(q, k, v, rows, weights, chunk.scaling)
         else:
-            output, attention = column_scores_reference(q, k, v, rows, weights, chunk.scaling)
+            output, attention = column_scores_reference(q, k, v, rows, weights, chunk.scaling, output=chunk.output)
         if rule.combine == "replace":
             scores[..., :last] = torch.where(rows.unsqueeze(1), attention, scores[..., :last])
         else:
             scores[..., :last] += attention
     full_output = torch.zeros_like(query)
-    full_output[:, :, :last] = output
+    if output is not None:
+        full_output[:, :, :last] = output
     held = chunk.held.clone()
     held[..., :last] |= rows.unsqueeze(1)
     now = torch.where(rows.any(-1), chunk.position[:, 0].masked_fill(~in_prompt, -1).amax(-1), -1)

@@ -120,6 +120,7 @@ def feed_context(model: Any, cache: Any, input_ids: Any, attention_mask: Any, co
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             past_key_values=cache,
             use_cache=True,
+            logits_to_keep=1,  # the context's own logits are never read
         )
 
 

@@ -348,19 +348,10 @@ def _wrap(tokenizer: Any, context: str, question: str, prefix: str) -> tuple[str
     return rendered[:split], rendered[split:] + prefix.lstrip()
 
 
-def evaluate(
-    model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Generate the run's documents, answer each greedily through an :class:`~h2o_eval.cache.EvictionCache`
-    (stopping at end of sequence or ``task.max_new_tokens``) and score it. Returns (record fields, per-document
-    outputs: prompt, answers, depth, prediction, scores). With ``protocol=context`` a batch holds questions of one
-    length, so that the contexts end in one column and are compressed before the questions arrive."""
-    from tqdm import tqdm
-
-    from h2o_eval.cache import EvictionCache
-    from h2o_eval.generation import capacity_stats, generate, pad_context
-
-    task, protocol, limit = config["task"], config["protocol"], config["limit"]
+def documents(model: Any, tokenizer: Any, config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The run's documents (the first ``limit`` of ``task.samples``), after checking that prompt and answer fit in
+    the model's positions."""
+    task, limit = config["task"], config["limit"]
     positions = getattr(model.config, "max_position_embeddings", None)
     new_tokens = task["max_new_tokens"]
     if positions is not None and task["length"] + new_tokens > positions:
@@ -374,79 +365,80 @@ def evaluate(
         if limit is None
         else min(task["samples"], limit if isinstance(limit, int) else int(limit * task["samples"]))
     )
-    docs = [
+    return [
         make_document(
             task, tokenizer, texts, seed=config["seed"], index=i, length=task["length"], depth=depth_of(task, i)
         )
         for i in range(count)
     ]
+
+
+def batches(docs: list[dict[str, Any]], protocol: str, batch_size: int) -> list[list[dict[str, Any]]]:
+    """Documents in batches of ``batch_size``; with ``protocol=context`` a batch holds questions of one length, so
+    that the contexts end in one column and are compressed before the questions arrive."""
     groups: dict[int, list[dict[str, Any]]] = {}
     for document in docs:
         groups.setdefault(len(document["question_ids"]) if protocol == "context" else 0, []).append(document)
-    batches = [
-        group[i : i + config["batch_size"]]
-        for group in groups.values()
-        for i in range(0, len(group), config["batch_size"])
-    ]
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    outputs: list[dict[str, Any]] = []
-    generated = seconds = peak = 0
-    progress = tqdm(total=count, desc=f"generating {task['name']}", unit="doc")
-    for batch in batches:
-        if protocol == "context":
-            ids, mask, width = pad_context(
-                [d["context_ids"] for d in batch], [d["question_ids"] for d in batch], tokenizer.pad_token_id, device
-            )
-        else:
-            padded = tokenizer.pad(
-                {"input_ids": [d["context_ids"] + d["question_ids"] for d in batch]}, padding=True, return_tensors="pt"
-            ).to(device)
-            ids, mask, width = padded.input_ids, padded.attention_mask, None
-        cache = EvictionCache(model, policy, protocol=protocol, kernels=config["kernels"])
-        began = time.perf_counter()
-        sequences = generate(
-            model,
-            cache,
-            ids,
-            mask,
-            width,
-            max_new_tokens=task["max_new_tokens"],
-            do_sample=False,
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            pad_token_id=tokenizer.pad_token_id,
+    return [group[i : i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
+
+
+def _encode(batch: list[dict[str, Any]], protocol: str, tokenizer: Any, device: Any) -> tuple[Any, Any, int | None]:
+    from h2o_eval.generation import pad_context
+
+    if protocol == "context":
+        return pad_context(
+            [d["context_ids"] for d in batch], [d["question_ids"] for d in batch], tokenizer.pad_token_id, device
         )
-        seconds += time.perf_counter() - began
-        peak = max(peak, cache.peak_entries)
-        capacity = cache.capacity()
-        for row, document in enumerate(batch):
-            tokens = sequences[row, ids.shape[1] :].tolist()
-            ends = (tokenizer.pad_token_id, tokenizer.eos_token_id)
-            length = next((i for i, token in enumerate(tokens) if token in ends), len(tokens))
-            prediction = tokenizer.decode(tokens[:length], skip_special_tokens=True).strip()
-            generated += length
-            outputs.append(
-                {
-                    "id": document["index"],
-                    "depth": document["depth"],
-                    "prompt_tokens": document["length"],
-                    "context_tokens": len(document["context_ids"]),
-                    "answers": document["answers"],
-                    "prediction": prediction,
-                    "scores": {"string_match_all": string_match_all(prediction, document["answers"])},
-                    "generated_tokens": length,
-                    "capacity": min(round(float(capacity[row]), 2), document["length"] + length),
-                    "needles": document["needles"],
-                    "prompt": document["prompt"],
-                }
-            )
-        progress.update(len(batch))
-    progress.close()
+    padded = tokenizer.pad(
+        {"input_ids": [d["context_ids"] + d["question_ids"] for d in batch]}, padding=True, return_tensors="pt"
+    ).to(device)
+    return padded.input_ids, padded.attention_mask, None
+
+
+def _greedy(task: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
+    return {
+        "max_new_tokens": task["max_new_tokens"],
+        "do_sample": False,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _rows(batch, sequences, prompt_width: int, tokenizer: Any, capacity) -> list[dict[str, Any]]:
+    """Per-document outputs of one generated batch: the answer up to end of sequence, scored."""
+    rows = []
+    for row, document in enumerate(batch):
+        tokens = sequences[row, prompt_width:].tolist()
+        ends = (tokenizer.pad_token_id, tokenizer.eos_token_id)
+        length = next((i for i, token in enumerate(tokens) if token in ends), len(tokens))
+        prediction = tokenizer.decode(tokens[:length], skip_special_tokens=True).strip()
+        rows.append(
+            {
+                "id": document["index"],
+                "depth": document["depth"],
+                "prompt_tokens": document["length"],
+                "context_tokens": len(document["context_ids"]),
+                "answers": document["answers"],
+                "prediction": prediction,
+                "scores": {"string_match_all": string_match_all(prediction, document["answers"])},
+                "generated_tokens": length,
+                "capacity": min(round(float(capacity[row]), 2), document["length"] + length),
+                "needles": document["needles"],
+                "prompt": document["prompt"],
+            }
+        )
+    return rows
+
+
+def _fields(task: Mapping[str, Any], outputs: list[dict[str, Any]], seconds: float, peak: int) -> dict[str, Any]:
+    from h2o_eval.generation import capacity_stats
+
     outputs.sort(key=lambda o: o["id"])
     n = max(len(outputs), 1)
-    fields = {
+    generated = sum(o["generated_tokens"] for o in outputs)
+    return {
         "metrics": {"string_match_all": sum(o["scores"]["string_match_all"] for o in outputs) / n},
         "n_samples": len(outputs),
         "length": task["length"],
@@ -459,4 +451,101 @@ def evaluate(
         },
         "capacity": capacity_stats(outputs),
     }
-    return fields, outputs
+
+
+def evaluate(
+    model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Generate the run's documents, answer each greedily through an :class:`~h2o_eval.cache.EvictionCache`
+    (stopping at end of sequence or ``task.max_new_tokens``) and score it. Returns (record fields, per-document
+    outputs: prompt, answers, depth, prediction, scores)."""
+    from tqdm import tqdm
+
+    from h2o_eval.cache import EvictionCache
+    from h2o_eval.generation import generate
+
+    task, protocol = config["task"], config["protocol"]
+    docs = documents(model, tokenizer, config)
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    outputs: list[dict[str, Any]] = []
+    seconds = peak = 0
+    progress = tqdm(total=len(docs), desc=f"generating {task['name']}", unit="doc")
+    for batch in batches(docs, protocol, config["batch_size"]):
+        ids, mask, width = _encode(batch, protocol, tokenizer, device)
+        cache = EvictionCache(model, policy, protocol=protocol, kernels=config["kernels"])
+        began = time.perf_counter()
+        sequences = generate(model, cache, ids, mask, width, **_greedy(task, tokenizer))
+        seconds += time.perf_counter() - began
+        peak = max(peak, cache.peak_entries)
+        outputs += _rows(batch, sequences, ids.shape[1], tokenizer, cache.capacity())
+        progress.update(len(batch))
+    progress.close()
+    return _fields(task, outputs, seconds, peak), outputs
+
+
+def evaluate_shared(
+    model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
+) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """:func:`evaluate` for several (policy, config) cells that differ only in policy, budget and protocol
+    (``prefill`` or ``context``), returning each cell's (record fields, outputs) in order. The documents and
+    batches are the same as :func:`evaluate`'s; per batch and protocol, the first chunk (the prompt in
+    ``prefill``, the context in ``context``), which attends in full whatever the policy, runs once through a
+    :class:`~h2o_eval.cache.SharedPrompt` of every cell's cache, each compressing it by its own policy; each cell
+    then generates alone. In ``prefill`` the shared pass also chooses the first new token (``generate`` with one
+    new token), which depends on the prompt alone. A cell's ``generated_tokens_per_s`` counts its share of the
+    shared pass."""
+    import torch
+    from tqdm import tqdm
+
+    from h2o_eval.cache import EvictionCache, SharedPrompt
+    from h2o_eval.generation import feed_context
+
+    config = cells[0][1]
+    task = config["task"]
+    docs = documents(model, tokenizer, config)
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    greedy = _greedy(task, tokenizer)
+    outputs: list[list[dict[str, Any]]] = [[] for _ in cells]
+    seconds, peak = [0.0] * len(cells), [0] * len(cells)
+    protocols = sorted({cell["protocol"] for _, cell in cells})
+    progress = tqdm(total=len(docs) * len(protocols), desc=f"generating {task['name']} x {len(cells)} cells")
+    for protocol in protocols:
+        members = [i for i, (_, cell) in enumerate(cells) if cell["protocol"] == protocol]
+        for batch in batches(docs, protocol, config["batch_size"]):
+            ids, mask, width = _encode(batch, protocol, tokenizer, device)
+            prompt_width = ids.shape[1]
+            caches = {
+                i: EvictionCache(model, cells[i][0], protocol=protocol, kernels=config["kernels"]) for i in members
+            }
+            began = time.perf_counter()
+            shared = SharedPrompt(list(caches.values()))
+            new_tokens = task["max_new_tokens"]
+            if width is not None and width < prompt_width:
+                feed_context(model, shared, ids, mask, width)
+            else:
+                with torch.no_grad():
+                    ids = model.generate(
+                        input_ids=ids, attention_mask=mask, past_key_values=shared, **greedy | {"max_new_tokens": 1}
+                    )
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+                new_tokens -= 1
+            share = (time.perf_counter() - began) / len(members)
+            for i, cache in caches.items():
+                began = time.perf_counter()
+                sequences = ids
+                if new_tokens > 0:
+                    with torch.no_grad():
+                        sequences = model.generate(
+                            input_ids=ids,
+                            attention_mask=mask,
+                            past_key_values=cache,
+                            **greedy | {"max_new_tokens": new_tokens},
+                        )
+                seconds[i] += share + time.perf_counter() - began
+                peak[i] = max(peak[i], cache.peak_entries)
+                outputs[i] += _rows(batch, sequences, prompt_width, tokenizer, cache.capacity())
+            progress.update(len(batch))
+    progress.close()
+    return [(_fields(task, rows, seconds[i], peak[i]), rows) for i, rows in enumerate(outputs)]

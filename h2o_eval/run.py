@@ -151,7 +151,6 @@ def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, 
 def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[str, Any]:
     from h2o_eval.models import load_model
 
-    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
     start = time.perf_counter()
     applied_threads = apply_threads(config["threads"])
     model, tokenizer = load_model(config["model"], device=config["device"], dtype=config["dtype"])
@@ -176,7 +175,25 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         fields, outputs = longcontext.evaluate(model, tokenizer, policy, config)
         table = None
     else:
+        work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
         fields, outputs, table = _lm_eval_task(model, tokenizer, policy, config, work_dir)
+    return finish(config, path, policy, fields, outputs, applied_threads, time.perf_counter() - start, work_dir, table)
+
+
+def finish(
+    config: dict[str, Any],
+    path: Path,
+    policy: Policy,
+    fields: dict[str, Any],
+    outputs: list[dict[str, Any]],
+    threads: dict[str, Any],
+    seconds: float,
+    work_dir: Path | None = None,
+    table: str | None = None,
+) -> dict[str, Any]:
+    """Write a computed run's record (``fields`` from its runner, ``seconds`` of wall time) and per-document
+    outputs at ``path``, log it to W&B and print its summary line. Returns the record."""
+    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
     record = {
         "schema_version": results.SCHEMA_VERSION,
         "model": config["model"]["name"],
@@ -190,8 +207,8 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
         "seed": config["seed"],
         "data": data.fingerprint(config),
         **fields,
-        "threads": applied_threads,
-        "wall_seconds": round(time.perf_counter() - start, 3),
+        "threads": threads,
+        "wall_seconds": round(seconds, 3),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": results.versions(),
         "git": results.git_commit(),

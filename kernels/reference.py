@@ -42,7 +42,8 @@ def column_scores_reference(
     weights: torch.Tensor,
     scaling: float,
     block: int = 128,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Causal attention over a whole prompt and each key's weighted column sum of its probabilities.
 
     query [B, Hq, T, D]; key, value [B, Hkv, T, D] (Hq = G * Hkv, query head h*G+g reads KV head h);
@@ -50,37 +51,45 @@ def column_scores_reference(
     Returns the output [B, Hq, T, D] in the query's dtype and columns [B, Hkv, T] float32, where
     columns[b, h, j] = sum_i weights[b, i] * sum_g P[b, h*G+g, i, j].
 
-    The output is PyTorch's fused attention (no padding: plain causal; else the :func:`visible` mask). The
-    columns come from the rows that carry a weight, ``block`` rows at a time against the keys up to the block's
-    last row, so the T x T matrix never exists whole and rows that vote nothing (all but SnapKV's window, say)
-    cost nothing beyond the fused attention.
+    Rows go ``block`` at a time against the keys up to the block's last row, so the T x T matrix never exists
+    whole: a block's probabilities give both its output and its share of the columns. Rows before the first
+    that carries a weight (all but SnapKV's window, say) take PyTorch's fused attention instead. Without
+    ``output`` only the columns are computed (output None).
     """
-    batch, q_heads, length, _ = query.shape
+    length = query.shape[2]
     kv_heads = key.shape[1]
-    group = q_heads // kv_heads
+    group = query.shape[1] // kv_heads
     padded = not bool(valid.all())
     cols = torch.arange(length, device=query.device)
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query.float(),
-        key.float(),
-        value.float(),
-        attn_mask=visible(valid, cols, cols).unsqueeze(1) if padded else None,
-        is_causal=not padded,
-        scale=scaling,
-        enable_gqa=True,
-    ).to(query.dtype)
+    attention = torch.empty_like(query) if output else None
     columns = torch.zeros(key.shape[:3], dtype=torch.float32, device=query.device)
     voting = (weights != 0).any(0).nonzero()
     first = int(voting[0]) // block * block if len(voting) else length
+    if attention is not None and first > 0:
+        attention[:, :, :first] = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, :first].float(),
+            key[:, :, :first].float(),
+            value[:, :, :first].float(),
+            attn_mask=visible(valid, cols[:first], cols[:first]).unsqueeze(1) if padded else None,
+            is_causal=not padded,
+            scale=scaling,
+            enable_gqa=True,
+        ).to(query.dtype)
     for start in range(first, length, block):
         stop = min(start + block, length)
         logits = grouped_logits(query[:, :, start:stop], key[:, :, :stop], scaling)
-        seen = visible(valid, cols[start:stop], cols[:stop])
-        probs = torch.softmax(logits.masked_fill_(~seen[:, None, None], -torch.inf), dim=-1)
-        row_weights = weights[:, start:stop].float().repeat(1, group).view(batch, 1, 1, -1)
-        summed = torch.matmul(row_weights.expand(-1, kv_heads, -1, -1), probs.view(batch, kv_heads, -1, stop))
+        if padded:
+            logits.masked_fill_(~visible(valid, cols[start:stop], cols[:stop])[:, None, None], -torch.inf)
+        else:  # only the block's own square has keys after a row
+            ahead = torch.ones(stop - start, stop - start, dtype=torch.bool, device=query.device).triu_(1)
+            logits[..., start:stop].masked_fill_(ahead, -torch.inf)
+        probs = torch.softmax(logits, dim=-1)
+        if attention is not None:
+            attention[:, :, start:stop] = grouped_values(probs, value[:, :, :stop]).to(query.dtype)
+        row_weights = weights[:, start:stop].float().repeat(1, group).view(-1, 1, 1, group * (stop - start))
+        summed = torch.matmul(row_weights.expand(-1, kv_heads, -1, -1), probs.view(*probs.shape[:2], -1, stop))
         columns[..., :stop] += summed.squeeze(2)
-    return output, columns
+    return attention, columns
 
 
 def decode_attention_reference(

@@ -49,19 +49,21 @@ def test_column_scores_kernel_equals_reference(batch, heads, length, dim, dtype,
 
 @pytest.mark.parametrize("block", [5, 16, 128])
 @pytest.mark.parametrize("rows", ["all", "window", "none"])
-def test_column_scores_reference_equals_the_whole_matrix(block, rows):
+@pytest.mark.parametrize("padding", [True, False])
+def test_column_scores_reference_equals_the_whole_matrix(block, rows, padding):
     """Reference: the T x T definition, one softmax over the whole masked matrix; implementation: the CPU path,
     fused attention for the output and blocks of weighted rows for the columns (5 and 16 end inside the prompt,
-    128 holds it whole). Left and right padding, GQA 3; rows weighted all at random (H2O), in a 6-row window
-    that starts mid-block (SnapKV), or none."""
+    128 holds it whole). Left and right padding or none, GQA 3; rows weighted all at random (H2O), in a 6-row
+    window that starts mid-block (SnapKV: the rows before its block take the fused path), or none."""
     batch, q_heads, kv_heads, length, dim = 2, 6, 2, 37, 16
     gen = torch.Generator().manual_seed(block)
     query = torch.randn(batch, q_heads, length, dim, generator=gen)
     key = torch.randn(batch, kv_heads, length, dim, generator=gen)
     value = torch.randn(batch, kv_heads, length, dim, generator=gen)
     valid = torch.ones(batch, length, dtype=torch.bool)
-    valid[0, :4] = False
-    valid[1, -3:] = False
+    if padding:
+        valid[0, :4] = False
+        valid[1, -3:] = False
     weights = {
         "all": torch.rand(batch, length, generator=gen) * valid,
         "window": torch.zeros(batch, length).index_fill_(1, torch.arange(length - 9, length - 3), 1.0),

@@ -1,0 +1,138 @@
+"""``python -m h2o_eval.grid OVERRIDES``: a ``--multirun`` sweep of long-context tasks that computes each prompt once.
+
+    python -m h2o_eval.grid model=smollm2-135m task=niah_single,niah_multikey task.length=1024,2048 \\
+        ++task.max_new_tokens=32 limit=20 policy=full,h2o,snapkv budget=0.1,0.25 protocol=prefill,context \\
+        data_dir=../shared/data results_dir=RUNS
+
+The overrides and their comma sweeps are Hydra's, expanded as ``--multirun`` would; every cell becomes the
+record ``python -m h2o_eval`` would write for it (same identity, same file; existing records are skipped). Cells
+of a long-context task that differ only in policy, budget and protocol (``prefill`` or ``context``) run together
+in one process: per batch of documents, the prompt (or context), which attends in full whatever the policy, is
+computed once and every cell's cache compresses it by its own policy (``longcontext.evaluate_shared``); each
+cell then generates alone. The prompt's attention is then the full cache's for every cell, so a cell can differ
+from its separate run by floating-point rounding there, nowhere else. Other cells run one by one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from h2o_eval.errors import ConfigError
+
+SHARED_KEYS = ("policy", "budget", "protocol")
+
+
+def expand(overrides: list[str]) -> list[list[str]]:
+    """The sweep's cells, each a list of plain overrides, in Hydra's ``--multirun`` order."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
+
+
+def compose(overrides: list[str]) -> dict[str, Any]:
+    """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name stops
+    the whole sweep with one line."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.errors import HydraException
+
+    from h2o_eval.callbacks import plain_config
+    from h2o_eval.threads import default_threads
+
+    try:
+        with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
+            config = plain_config(hydra_compose(config_name="config", overrides=overrides))
+    except HydraException as error:  # e.g. "Could not find 'policy/x'", then the options, one per line
+        lines = [line.strip() for line in str(error).split("Config search path")[0].splitlines() if line.strip()]
+        raise ConfigError(lines[0] + (f" ({lines[1]} {', '.join(lines[2:])})" if len(lines) > 2 else "")) from None
+    if config["threads"] is None:
+        config["threads"] = default_threads(None)
+    return config
+
+
+def shareable(config: dict[str, Any]) -> bool:
+    return config["task"]["kind"] == "synthetic" and config["protocol"] in ("prefill", "context")
+
+
+def groups(configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Shareable cells grouped by everything but policy, budget and protocol; every other cell alone."""
+    together: dict[str, list[dict[str, Any]]] = {}
+    alone = []
+    for config in configs:
+        if shareable(config):
+            key = json.dumps({k: v for k, v in config.items() if k not in SHARED_KEYS}, sort_keys=True)
+            together.setdefault(key, []).append(config)
+        else:
+            alone.append([config])
+    return list(together.values()) + alone
+
+
+def run_group(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Compute one group of cells sharing its prompts, write their records; returns them."""
+    from h2o_eval import longcontext, results
+    from h2o_eval.models import load_model
+    from h2o_eval.run import finish, policy_of
+    from h2o_eval.threads import apply as apply_threads
+
+    first = configs[0]
+    start = time.perf_counter()
+    threads = apply_threads(first["threads"])
+    model, tokenizer = load_model(first["model"], device=first["device"], dtype=first["dtype"])
+    cells = [(policy_of(config), config) for config in configs]
+    computed = longcontext.evaluate_shared(model, tokenizer, cells)
+    seconds = (time.perf_counter() - start) / len(configs)
+    records = []
+    for (policy, config), (fields, outputs) in zip(cells, computed, strict=True):
+        fields["generation"]["shared_prompt_cells"] = len(configs)
+        path = results.record_path(config["results_dir"], config)
+        records.append(finish(config, path, policy, fields, outputs, threads, seconds))
+    return records
+
+
+def main(argv: list[str]) -> None:
+    """Compose every cell (a typo stops all), refuse the invalid ones (as ``--multirun`` fails those jobs), skip
+    those with records, compute the rest; exit 1 if a cell was refused."""
+    from h2o_eval import results
+    from h2o_eval.run import execute, fail, summary_line, validate
+
+    try:
+        cells = [(cell, compose(cell)) for cell in expand(argv)]
+    except ConfigError as error:
+        fail(error)
+    configs, refused = [], []
+    for cell, config in cells:
+        try:
+            configs.append(validate(config))
+        except ConfigError as error:
+            refused.append(f"refused: {' '.join(cell)}: {error}")
+    todo, paths = [], set()
+    for config in configs:
+        path = results.record_path(config["results_dir"], config)
+        if path in paths:  # one record for cells that are one setting (``full`` at any budget, say)
+            continue
+        paths.add(path)
+        if path.exists() and not config["overwrite"]:
+            print(f"skipped: {path} exists (overwrite=true reruns it)")
+        else:
+            todo.append(config)
+    print("\n".join(refused))
+    print(f"{len(paths)} cells, {len(paths) - len(todo)} with records, {len(todo)} to compute, {len(refused)} refused")
+    done = []
+    for group in groups(todo):
+        if len(group) == 1:
+            done.append(execute(group[0])[1])
+        else:
+            print(f"{len(group)} cells of {group[0]['task']['name']} share their prompts")
+            done += run_group(group)
+    if done:
+        print("\n".join(["summary:", *(summary_line(record) for record in done)]))
+    if refused:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

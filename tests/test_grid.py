@@ -1,0 +1,136 @@
+"""One prompt pass for many policies: a :class:`SharedPrompt` leaves every cache as feeding it alone would, shared
+cells answer as separate runs, and ``python -m h2o_eval.grid`` writes the records ``python -m h2o_eval`` would."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_config
+
+from h2o_eval import grid, longcontext
+from h2o_eval.cache import EvictionCache, SharedPrompt
+from h2o_eval.errors import ConfigError
+from h2o_eval.models import load_model
+from h2o_eval.policies import make_policy
+from h2o_eval.run import execute, policy_of, validate
+
+POLICIES = [("full", 1.0), ("h2o", 0.3), ("tova", 0.3), ("snapkv", 0.3), ("adakv", 0.4), ("knorm", 0.3)]
+POLICIES += [("streaming", 0.3), ("local", 0.25)]
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("protocol", ["prefill", "context"])
+def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
+    """Reference: each policy's EvictionCache fed the (left-padded) prompt alone; implementation: one pass of
+    the prompt through a SharedPrompt of all of them. Every layer's held slots are the same, and their positions,
+    keys and scores (up to rounding), and the shared pass's logits are the full cache's. tiny-gemma3 has sliding
+    layers, which keep their own window."""
+    model, _ = load_model(name, device="cpu")
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(5, model.config.vocab_size, (2, 300), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :13] = 0
+
+    def caches():
+        return [EvictionCache(model, make_policy(p, budget=b), protocol=protocol) for p, b in POLICIES]
+
+    def feed(cache):
+        with torch.no_grad():
+            return model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+
+    alone = caches()
+    logits = [feed(cache) for cache in alone]
+    together = caches()
+    shared_logits = feed(SharedPrompt(together))
+    torch.testing.assert_close(shared_logits, logits[0], rtol=1e-4, atol=1e-4)  # policy 0 is full
+    evicted = 0
+    for one, other in zip(alone, together, strict=True):
+        for a, b in zip(one.layers, other.layers, strict=True):
+            assert a.seen == b.seen and torch.equal(a.held, b.held)
+            held = a.held  # a padding row's output (and so its key in later layers) is never read
+            torch.testing.assert_close(b.keys[held], a.keys[held], rtol=1e-4, atol=1e-4)
+            if a.window is None:
+                assert torch.equal(a.position[held], b.position[held])
+                assert a.scores.shape == b.scores.shape
+                if a.scores.shape == held.shape:  # a cache that never evicts keeps no scores
+                    torch.testing.assert_close(b.scores[held], a.scores[held], rtol=1e-4, atol=1e-4)
+                evicted += int((~a.held).sum()) + (a.held.shape[-1] < 300)
+        assert one.prompt_held.keys() == other.prompt_held.keys()
+        for layer, kept in one.prompt_held.items():
+            assert torch.equal(kept, other.prompt_held[layer])
+    assert evicted > 0
+
+
+def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
+    """Reference: longcontext.evaluate, one cell at a time; implementation: evaluate_shared over all the cells,
+    in both protocols, batches of 3 (niah_multiquery's questions differ in length, so the context protocol
+    batches by length and pads)."""
+    settings = {"model": "tiny-llama", "task": "niah_multiquery", "limit": 6, "batch_size": 3}
+    settings |= {"task.length": 320, "task.max_new_tokens": 8}
+    cells = [(p, "prefill", b) for p, b in POLICIES[:4]] + [(p, "context", b) for p, b in POLICIES[3:]]
+    configs = [
+        validate(make_config(data_dir, tmp_path, **settings, policy=p, protocol=protocol, budget=b))
+        for p, protocol, b in cells
+    ]
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    separate = [longcontext.evaluate(model, tokenizer, policy_of(c), c) for c in configs]
+    shared = longcontext.evaluate_shared(model, tokenizer, [(policy_of(c), c) for c in configs])
+    answers = set()
+    for (fields, outputs), (shared_fields, shared_outputs) in zip(separate, shared, strict=True):
+        keys = ("id", "prediction", "capacity", "generated_tokens", "scores")
+        assert [[o[k] for k in keys] for o in shared_outputs] == [[o[k] for k in keys] for o in outputs]
+        assert shared_fields["capacity"] == fields["capacity"] and shared_fields["metrics"] == fields["metrics"]
+        assert shared_fields["generation"]["kv_peak_entries"] == fields["generation"]["kv_peak_entries"]
+        answers.add(tuple(o["prediction"] for o in outputs))
+    assert len(answers) > 2, "the policies should answer differently here, or the test proves little"
+
+
+def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch, capsys):
+    """A sweep through the grid: shareable cells run together, a simulate cell alone, SnapKV's simulate cell is
+    refused in one line; each record sits where ``python -m h2o_eval`` looks for it (a run of the same cell
+    skips), and answers as a separate run does."""
+    monkeypatch.chdir(tmp_path)
+    args = ["model=tiny-llama", "task=niah_single", "task.length=256", "++task.max_new_tokens=6", "limit=4"]
+    args += ["batch_size=2", f"data_dir={data_dir}", "results_dir=grid", "wandb.mode=disabled"]
+    sweep = [*args, "policy=h2o,snapkv,full", "budget=0.3,0.5", "protocol=prefill,context,simulate"]
+    with pytest.raises(SystemExit) as stopped:
+        grid.main(sweep)
+    out = capsys.readouterr().out
+    refusals = [line for line in out.splitlines() if line.startswith("refused: ")]
+    assert stopped.value.code == 1 and len(refusals) == 2 and all("policy=snapkv" in line for line in refusals)
+    # full is one setting at every budget: 2 x h2o, 2 x snapkv, 1 x full per protocol, one h2o and full simulate
+    assert "13 cells, 0 with records, 13 to compute, 2 refused" in out
+    assert "10 cells of niah_single share their prompts" in out
+    assert out.count("tiny-llama | niah_single") == 26  # each record's line, then the summary table
+    records = sorted((tmp_path / "grid").glob("*.json"))
+    assert len(records) == 13
+    shared = [json.loads(p.read_text()) for p in records if "prefill" in p.name or "context" in p.name]
+    assert [r["generation"]["shared_prompt_cells"] for r in shared] == [10] * 10
+    cell = {"model": "tiny-llama", "task": "niah_single", "task.length": 256, "++task.max_new_tokens": 6}
+    cell |= {"limit": 4, "batch_size": 2, "policy": "h2o", "budget": 0.5, "protocol": "context"}
+    assert execute(make_config(data_dir, tmp_path / "grid", **cell))[0] == "skipped"
+    status, alone = execute(make_config(data_dir, tmp_path / "alone", **cell))
+    [together] = [r for r in shared if r["policy"] == "h2o" and r["protocol"] == "context" and r["budget"] == 0.5]
+    assert status == "ran" and together["metrics"] == alone["metrics"]
+
+    def predictions(folder, record):
+        lines = (folder / record["outputs"]).read_text().splitlines()
+        return [json.loads(line)["prediction"] for line in lines]
+
+    assert predictions(tmp_path / "grid", together) == predictions(tmp_path / "alone", alone)
+    with pytest.raises(SystemExit):
+        grid.main(sweep)
+    assert "13 cells, 13 with records, 0 to compute, 2 refused" in capsys.readouterr().out
+
+
+def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        grid.main(["model=tiny-llama", "task=niah_single", "policy=h2o,nope", f"results_dir={tmp_path / 'r'}"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and "Could not find 'policy/nope'" in error and "snapkv" in error
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(ConfigError, match="cannot be shared"):
+        SharedPrompt([EvictionCache(load_model("tiny-llama")[0], make_policy("h2o", budget=0.5))])
