@@ -44,14 +44,15 @@ COLUMNS = (
 def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
     """One row per run with a fraction budget: the task's primary metric (the record's ``metric``, else ``acc``,
     or ``rouge2`` for summarisation) unless ``metric`` names another, sorted by task, model, protocol, policy and
-    budget. Of records that agree on every column but the numbers, the newest is kept."""
+    budget. Of records that agree on every column but the numbers, the newest is kept. A long-context task is one
+    task per prompt length (``niah_single@4096``): its documents, and so its comparisons, differ with it."""
     newest: dict[tuple, dict[str, Any]] = {}
     for record in sorted(records, key=lambda r: r["created"]):
         name = metric or record.get("metric") or PRIMARY_METRIC.get(record["task"], "acc")
         if name not in record["metrics"] or not isinstance(record["budget"], float):
             continue
         row = {
-            "task": record["task"],
+            "task": record["task"] + (f"@{record['length']}" if "length" in record else ""),
             "model": record["model"],
             "protocol": record["protocol"],
             "policy": record["policy"],
@@ -344,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [
         r
         for r in table(load_records(args.results_dir), args.metric)
-        if (not args.task or r["task"] in args.task) and (not args.model or r["model"] in args.model)
+        if (not args.task or r["task"].split("@")[0] in args.task or r["task"] in args.task)
+        and (not args.model or r["model"] in args.model)
     ]
     if not rows:
         parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")

@@ -110,7 +110,7 @@ long_context() {
 tables() {
     python -m h2o_eval.plot "$out" --out results/replication/5shot --at 0.1 0.2 0.5
     python -m h2o_eval.plot "$out" --out results/replication/5shot/against_local --at 0.2 --against local
-    python -m h2o_eval.plot "$out" --needle --task niah_single niah_multikey --out results/replication/long_context
+    python -m h2o_eval.plot "$out" --needle --out results/replication/long_context
 }
 
 mkdir -p "$out"

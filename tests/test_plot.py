@@ -233,3 +233,27 @@ def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired
     ringed = [c.get_offsets().tolist() for c in rings]
     assert ringed == [[[20.0, 0.25]]]  # local at 20 %, 10 of 40 right
     assert "differs from full (95 % CI)" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+
+
+def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
+    """Records of one long-context task at two prompt lengths are two tasks: each policy is paired with the full
+    cache of its own length (other documents), and ``--task niah_single`` selects both."""
+    for length, full, h2o in [(1024, [1] * 12, [1] * 12), (2048, [1] * 12, [0] * 12)]:
+        for policy, outcomes in (("full", full), ("h2o", h2o)):
+            name = f"{policy}-{length}"
+            results.write_jsonl(
+                tmp_path / f"{name}.outputs.jsonl",
+                [{"id": i, "scores": {"string_match_all": float(o)}} for i, o in enumerate(outcomes)],
+            )
+            record = fake_record("niah_single", policy, 1.0 if policy == "full" else 0.25, sum(outcomes) / 12)
+            record |= {"length": length, "metric": "string_match_all", "limit": 12, "outputs": f"{name}.outputs.jsonl"}
+            record["metrics"] = {"string_match_all": sum(outcomes) / 12}
+            results.write_record(tmp_path / f"{name}.json", record)
+    rows = plot.table(results.load_records(tmp_path))
+    assert sorted({r["task"] for r in rows}) == ["niah_single@1024", "niah_single@2048"]
+    compared = {r["task"]: r["paired"].difference for r in plot.paired_rows(rows, tmp_path) if "@" in r["task"]}
+    assert compared == {"niah_single@1024": 0.0, "niah_single@2048": -1.0}
+    plot.main([str(tmp_path), "--out", str(tmp_path / "plots"), "--task", "niah_single"])
+    assert (tmp_path / "plots" / "niah_single@1024.png").is_file() and (
+        tmp_path / "plots" / "niah_single@2048.png"
+    ).is_file()
