@@ -6,9 +6,10 @@ For each length T (in SmolLM2's tokens of XSUM articles, joined), one forward of
 process per setting, after a short warm-up forward, so that its peak RSS is its own: ``full``; ``h2o`` at 0.2
 in the simulate protocol (the whole sequence under per-step eviction), the prefill protocol (T - 64 context
 tokens compressed, then 64 under eviction) and the context protocol (T - 128 compressed, then 128); and
-``snapkv`` at 0.2 in the prefill and context protocols. Prints, per setting, the wall time and the forward's
-own peak memory (the peak RSS during the forward, reset after the warm-up, minus the RSS before it), both as
-ratios to ``full`` at the same length.
+``snapkv`` at 0.2 in the prefill and context protocols. Prints, per setting, the wall time, the CPU time of the
+process (on a shared machine the steadier figure: run with one thread, it is the forward's own work however the
+cores are shared) and the forward's own peak memory (the peak RSS during the forward, reset after the warm-up,
+minus the RSS before it), each also as a ratio to ``full`` at the same length.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def one(data_dir: Path, length: int, policy_name: str, protocol: str, tail: int, budget: float) -> dict:
-    """One forward of ``length`` tokens; run in its own process (see :func:`main`)."""
+def one(data_dir: Path, length: int, policy_name: str, protocol: str, tail: int, budget: float, threads: int) -> dict:
+    """One forward of ``length`` tokens with ``threads`` threads (torch, numba, BLAS); run in its own process (see
+    :func:`main`)."""
+    from h2o_eval.threads import apply
+
+    apply(threads)
     import torch
 
     from h2o_eval.data import read_jsonl
@@ -63,22 +68,28 @@ def one(data_dir: Path, length: int, policy_name: str, protocol: str, tail: int,
     policy = make_policy(policy_name, budget=budget)
     for warm in (tokens[:, : 2 * tail + 64], tokens):  # first a short forward: lazy imports, JIT code, thread pools
         reset_peak()
-        before, seconds = forward(model, policy, protocol, warm, tail)
-    return {"seconds": seconds, "forward_mib": status_mib("VmHWM") - before, "peak_mib": status_mib("VmHWM")}
+        before, seconds, cpu = forward(model, policy, protocol, warm, tail)
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "forward_mib": status_mib("VmHWM") - before,
+        "peak_mib": status_mib("VmHWM"),
+    }
 
 
-def forward(model, policy, protocol: str, tokens, tail: int) -> tuple[float, float]:
-    """(RSS before, seconds) of one forward of ``tokens`` under ``policy``, the last ``tail`` after the context."""
+def forward(model, policy, protocol: str, tokens, tail: int) -> tuple[float, float, float]:
+    """(RSS before, wall seconds, CPU seconds) of one forward of ``tokens`` under ``policy``, the last ``tail``
+    after the context."""
     import torch
 
     from h2o_eval.backend import patch
 
     before = status_mib("VmRSS")
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad(), patch(model, policy, protocol=protocol) as session:
         session.context_lengths = [tokens.shape[1] - tail]
         model(tokens)
-    return before, time.perf_counter() - start
+    return before, time.perf_counter() - start, time.process_time() - cpu
 
 
 def main() -> None:
@@ -86,24 +97,29 @@ def main() -> None:
     parser.add_argument("--data-dir", required=True, type=Path)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--budget", type=float, default=0.2)
+    parser.add_argument("--threads", type=int, default=1, help="threads per forward (default 1)")
     parser.add_argument("--one", nargs=3, metavar=("POLICY", "PROTOCOL", "TAIL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         policy, protocol, tail = args.one
-        print(json.dumps(one(args.data_dir.resolve(), args.lengths[0], policy, protocol, int(tail), args.budget)))
+        found = one(args.data_dir.resolve(), args.lengths[0], policy, protocol, int(tail), args.budget, args.threads)
+        print(json.dumps(found))
         return
-    print(f"{'T':>6} {'policy':>8} {'protocol':>9} {'seconds':>8} {'x full':>7} {'forward MiB':>12} {'x full':>7}")
+    header = ("T", "policy", "protocol", "seconds", "x full", "CPU s", "x full", "forward MiB", "x full")
+    print("{:>6} {:>8} {:>9} {:>8} {:>7} {:>8} {:>7} {:>12} {:>7}".format(*header))
     for length in args.lengths:
         full = None
         for policy, protocol, tail in SETTINGS:
             command = [sys.executable, "-m", "h2o_eval.benchmarks.long_forward", "--data-dir", str(args.data_dir)]
-            command += ["--lengths", str(length), "--budget", str(args.budget), "--one", policy, protocol, str(tail)]
+            command += ["--lengths", str(length), "--budget", str(args.budget), "--threads", str(args.threads)]
+            command += ["--one", policy, protocol, str(tail)]
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             result = json.loads(done.stdout.strip().splitlines()[-1])
             full = full or result
             print(
                 f"{length:>6} {policy:>8} {protocol:>9} {result['seconds']:>8.1f} "
-                f"{result['seconds'] / full['seconds']:>6.2f}x {result['forward_mib']:>12.0f} "
+                f"{result['seconds'] / full['seconds']:>6.2f}x {result['cpu_seconds']:>8.1f} "
+                f"{result['cpu_seconds'] / full['cpu_seconds']:>6.2f}x {result['forward_mib']:>12.0f} "
                 f"{result['forward_mib'] / max(full['forward_mib'], 1):>6.2f}x",
                 flush=True,
             )
