@@ -532,7 +532,9 @@ def evaluate_shared(
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
                 new_tokens -= 1
             share = (time.perf_counter() - began) / len(members)
-            for i, cache in caches.items():
+            del shared  # it holds every cache's layers: each cache is freed once its cell has generated
+            for i in members:
+                cache = caches.pop(i)
                 began = time.perf_counter()
                 sequences = ids
                 if new_tokens > 0:
