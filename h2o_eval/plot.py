@@ -43,12 +43,17 @@ COLUMNS = (
 
 def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
     """One row per run with a fraction budget: the task's primary metric (the record's ``metric``, else ``acc``,
-    or ``rouge2`` for summarisation) unless ``metric`` names another, sorted by task, model, protocol, policy and
-    budget. Of records that agree on every column but the numbers, the newest is kept. A long-context task is one
-    task per prompt length (``niah_single@4096``): its documents, and so its comparisons, differ with it."""
+    ``rouge2`` for summarisation, ``string_match_all`` for long context) unless ``metric`` names another, sorted
+    by task, model, protocol, policy and budget. Of records that agree on every column but the numbers, the
+    newest is kept. A long-context task is one task per prompt length (``niah_single@4096``): its documents, and
+    so its comparisons, differ with it."""
     newest: dict[tuple, dict[str, Any]] = {}
     for record in sorted(records, key=lambda r: r["created"]):
-        name = metric or record.get("metric") or PRIMARY_METRIC.get(record["task"], "acc")
+        name = (
+            metric
+            or record.get("metric")
+            or ("string_match_all" if "length" in record else PRIMARY_METRIC.get(record["task"], "acc"))
+        )
         if name not in record["metrics"] or not isinstance(record["budget"], float):
             continue
         row = {

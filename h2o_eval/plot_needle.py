@@ -46,8 +46,10 @@ def _panels(rows: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
     return sorted({(r["policy"], r["budget"], r["protocol"]) for r in rows}, key=lambda p: (p[0] != "full", p))
 
 
-def _label(policy: str, budget: float, protocol: str) -> str:
-    return "full cache" if policy == "full" else f"{policy} {budget:.0%} ({protocol})"
+def _label(policy: str, budget: float, protocol: str, protocols: int = 1) -> str:
+    if policy == "full":
+        return "full cache" if protocols == 1 else f"full cache ({protocol})"
+    return f"{policy} {budget:.0%} ({protocol})"
 
 
 def _length_label(length: int) -> str:
@@ -55,60 +57,80 @@ def _length_label(length: int) -> str:
 
 
 def heatmap(rows: list[dict[str, Any]]) -> Any:
-    """Score by depth (rows) and length (columns) of one model and task, a panel per setting (a Figure)."""
+    """Score by depth (rows) and length (columns) of one model and task, a panel per setting: a row of panels per
+    policy (the full cache's first), its budgets and protocols side by side (a Figure)."""
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["length"] for r in rows})
     depths = sorted({d for r in rows for d in r["depths"]})
     panels = _panels(rows)
+    protocols = len({panel[2] for panel in panels})
+    policies = list(dict.fromkeys(panel[0] for panel in panels))
+    per_policy = [sorted((p for p in panels if p[0] == policy), key=lambda p: (p[2], p[1])) for policy in policies]
+    columns = max(len(row) for row in per_policy)
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(1.2 + 0.9 * len(lengths) * len(panels), 3.6), squeeze=False, sharey=True
+        len(policies),
+        columns,
+        figsize=(1.2 + max(2.2, 0.9 * len(lengths)) * columns, 0.8 + 2.6 * len(policies)),
+        squeeze=False,
+        sharey=True,
+        layout="constrained",
     )
     image = None
-    for ax, panel in zip(axes[0], panels, strict=True):
-        cells = {
-            (r["length"], d): v
-            for r in rows
-            if (r["policy"], r["budget"], r["protocol"]) == panel
-            for d, v in r["depths"].items()
-        }
-        grid = [[cells.get((length, depth), (float("nan"), 0))[0] for length in lengths] for depth in depths]
-        image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        for i, depth in enumerate(depths):
-            for j, length in enumerate(lengths):
-                if (length, depth) in cells:
-                    ax.text(j, i, f"{cells[length, depth][0]:.2f}", ha="center", va="center", fontsize=7)
-        ax.set_xticks(range(len(lengths)), [_length_label(length) for length in lengths])
-        ax.set_yticks(range(len(depths)), [f"{depth:g}%" for depth in depths])
-        ax.set(title=_label(*panel), xlabel="prompt length (tokens)")
-    axes[0][0].set_ylabel("needle depth")
-    fig.colorbar(image, ax=axes[0].tolist(), label="string_match_all", fraction=0.05)
+    for row_axes, row in zip(axes, per_policy, strict=True):
+        for ax in row_axes[len(row) :]:
+            ax.axis("off")
+        for ax, panel in zip(row_axes, row, strict=False):
+            cells = {
+                (r["length"], d): v
+                for r in rows
+                if (r["policy"], r["budget"], r["protocol"]) == panel
+                for d, v in r["depths"].items()
+            }
+            grid = [[cells.get((length, depth), (float("nan"), 0))[0] for length in lengths] for depth in depths]
+            image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            for i, depth in enumerate(depths):
+                for j, length in enumerate(lengths):
+                    if (length, depth) in cells:
+                        ax.text(j, i, f"{cells[length, depth][0]:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [_length_label(length) for length in lengths])
+            ax.set_yticks(range(len(depths)), [f"{depth:g}%" for depth in depths])
+            ax.set_title(_label(*panel, protocols), fontsize=9)
+        row_axes[0].set_ylabel("needle depth")
+    for ax in axes[-1]:
+        ax.set_xlabel("prompt length (tokens)")
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="string_match_all", fraction=0.05)
     fig.suptitle(f"{rows[0]['task']} – {rows[0]['model']}")
     return fig
 
 
 def length_plot(rows: list[dict[str, Any]]) -> Any:
-    """Score against prompt length of one model and task, a line per setting, the full cache dashed (a Figure)."""
+    """Score against prompt length of one model and task, a line per setting, the full cache dashed; one axis per
+    protocol (a Figure)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for panel in _panels(rows):
-        points = sorted((r["length"], r["score"]) for r in rows if (r["policy"], r["budget"], r["protocol"]) == panel)
-        full = panel[0] == "full"
-        ax.plot(
-            *zip(*points, strict=True),
-            marker="o",
-            label=_label(*panel),
-            linestyle="--" if full else "-",
-            color="black" if full else None,
-        )
+    protocols = sorted({r["protocol"] for r in rows})
+    fig, axes = plt.subplots(1, len(protocols), figsize=(6 * len(protocols), 4.5), squeeze=False, sharey=True)
     lengths = sorted({r["length"] for r in rows})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [_length_label(length) for length in lengths], minor=False)
-    ax.set(xlabel="prompt length (tokens)", ylabel="string_match_all", ylim=(-0.02, 1.02))
-    ax.set_title(f"{rows[0]['task']} – {rows[0]['model']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, protocol in zip(axes[0], protocols, strict=True):
+        for panel in _panels([r for r in rows if r["protocol"] == protocol]):
+            points = sorted(
+                (r["length"], r["score"]) for r in rows if (r["policy"], r["budget"], r["protocol"]) == panel
+            )
+            full = panel[0] == "full"
+            ax.plot(
+                *zip(*points, strict=True),
+                marker="o",
+                label=_label(*panel),
+                linestyle="--" if full else "-",
+                color="black" if full else None,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [_length_label(length) for length in lengths], minor=False)
+        ax.set(xlabel="prompt length (tokens)", ylabel="string_match_all", ylim=(-0.02, 1.02))
+        ax.set_title(f"{rows[0]['task']} – {rows[0]['model']} ({protocol})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
 
