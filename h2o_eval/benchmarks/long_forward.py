@@ -3,13 +3,15 @@
     python -m h2o_eval.benchmarks.long_forward --data-dir ../shared/data [--lengths 2048 4096 8192]
 
 For each length T (in SmolLM2's tokens of XSUM articles, joined), one forward of T tokens is timed in a fresh
-process per setting, after a short warm-up forward, so that its peak RSS is its own: ``full``; ``h2o`` at 0.2
-in the simulate protocol (the whole sequence under per-step eviction), the prefill protocol (T - 64 context
-tokens compressed, then 64 under eviction) and the context protocol (T - 128 compressed, then 128); and
-``snapkv`` at 0.2 in the prefill and context protocols. Prints, per setting, the wall time, the CPU time of the
-process (on a shared machine the steadier figure: run with one thread, it is the forward's own work however the
-cores are shared) and the forward's own peak memory (the peak RSS during the forward, reset after the warm-up,
-minus the RSS before it), each also as a ratio to ``full`` at the same length.
+process per setting, after a short warm-up forward, so that its peak RSS is its own: ``full``; the model without
+h2o_eval (``none``: transformers' own attention, where ``full`` goes through the backend, whose padding mask is
+always materialised); ``h2o`` at 0.2 in the simulate protocol (the whole sequence under per-step eviction), the
+prefill protocol (T - 64 context tokens compressed, then 64 under eviction) and the context protocol (T - 128
+compressed, then 128); and ``snapkv`` at 0.2 in the prefill and context protocols (``--only h2o:prefill ...``
+picks settings). Prints, per setting, the wall time, the CPU time of the process (on a shared machine the
+steadier figure: run with one thread, it is the forward's own work however the cores are shared) and the
+forward's own peak memory (the peak RSS during the forward, reset after the warm-up, minus the RSS before it),
+each also as a ratio to ``full`` at the same length.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 SETTINGS = [
     ("full", "simulate", 0),
+    ("none", "-", 0),  # the model without h2o_eval: transformers' own attention, no patch
     ("h2o", "simulate", 0),
     ("h2o", "prefill", 64),
     ("h2o", "context", 128),
@@ -65,7 +68,7 @@ def one(data_dir: Path, length: int, policy_name: str, protocol: str, tail: int,
         if len(ids) >= length:
             break
     tokens = torch.tensor([ids[:length]])
-    policy = make_policy(policy_name, budget=budget)
+    policy = None if policy_name == "none" else make_policy(policy_name, budget=budget)
     for warm in (tokens[:, : 2 * tail + 64], tokens):  # first a short forward: lazy imports, JIT code, thread pools
         reset_peak()
         before, seconds, cpu = forward(model, policy, protocol, warm, tail)
@@ -86,9 +89,13 @@ def forward(model, policy, protocol: str, tokens, tail: int) -> tuple[float, flo
 
     before = status_mib("VmRSS")
     start, cpu = time.perf_counter(), time.process_time()
-    with torch.no_grad(), patch(model, policy, protocol=protocol) as session:
-        session.context_lengths = [tokens.shape[1] - tail]
-        model(tokens)
+    with torch.no_grad():
+        if policy is None:
+            model(tokens)
+        else:
+            with patch(model, policy, protocol=protocol) as session:
+                session.context_lengths = [tokens.shape[1] - tail]
+                model(tokens)
     return before, time.perf_counter() - start, time.process_time() - cpu
 
 
@@ -98,6 +105,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--budget", type=float, default=0.2)
     parser.add_argument("--threads", type=int, default=1, help="threads per forward (default 1)")
+    parser.add_argument("--only", nargs="+", metavar="POLICY:PROTOCOL", help="only these settings (and full)")
     parser.add_argument("--one", nargs=3, metavar=("POLICY", "PROTOCOL", "TAIL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -110,6 +118,8 @@ def main() -> None:
     for length in args.lengths:
         full = None
         for policy, protocol, tail in SETTINGS:
+            if args.only and policy != "full" and f"{policy}:{protocol}" not in args.only:
+                continue
             command = [sys.executable, "-m", "h2o_eval.benchmarks.long_forward", "--data-dir", str(args.data_dir)]
             command += ["--lengths", str(length), "--budget", str(args.budget), "--threads", str(args.threads)]
             command += ["--one", policy, protocol, str(tail)]
