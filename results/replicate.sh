@@ -17,7 +17,7 @@
 # Cost, measured (one thread, this 2-core CPU): 5-shot lm-eval requests average 206 tokens per document on COPA,
 # 466 PIQA, 431 OpenBookQA, 292 Winogrande, 1,010 RTE and 1,707 MathQA (SmolLM2's tokenizer, choices counted);
 # SmolLM2 scores about 230 tokens a second (PIQA 5-shot: 2.0 s per document with the full cache), eviction adds
-# 10-20 %; Gemma 3 270M is about 3x slower (262k-word vocabulary). So one SmolLM2 cell over the limits below is
+# 10-20 %; Gemma 3 270M is 3-5x slower (262k-word vocabulary). So one SmolLM2 cell over the limits below is
 # about 1,700 s, and the headline stage alone is about 3 core-hours. Lower the limits to fit less time.
 set -euo pipefail
 data=${1:-../shared/data}
