@@ -97,7 +97,7 @@ def main(argv: list[str]) -> None:
     """Compose every cell (a typo stops all), refuse the invalid ones (as ``--multirun`` fails those jobs), skip
     those with records, compute the rest; exit 1 if a cell was refused."""
     from h2o_eval import results
-    from h2o_eval.run import execute, fail, summary_line, validate
+    from h2o_eval.run import execute, existing, fail, summary_line, validate
 
     try:
         cells = [(cell, compose(cell)) for cell in expand(argv)]
@@ -115,7 +115,7 @@ def main(argv: list[str]) -> None:
         if path in paths:  # one record for cells that are one setting (``full`` at any budget, say)
             continue
         paths.add(path)
-        if path.exists() and not config["overwrite"]:
+        if existing(config, path) is not None:
             print(f"skipped: {path} exists (overwrite=true reruns it)")
         else:
             todo.append(config)

@@ -126,6 +126,18 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
     return execute(config, work_dir)[1]
 
 
+def existing(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """The record already at ``path``, unless ``overwrite``; an unreadable one is moved aside, with a warning, and
+    the setting is run again (None)."""
+    if config["overwrite"] or not path.exists():
+        return None
+    try:
+        return results.read_record(path)
+    except results.UnreadableRecord as error:
+        print(f"warning: {error}; moved to {results.set_aside(path)}, running it again", file=sys.stderr)
+        return None
+
+
 def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, dict[str, Any]]:
     """:func:`run`, also saying whether the run was computed (``"ran"``) or its record existed (``"skipped"``).
 
@@ -134,15 +146,10 @@ def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, 
     config = validate(config)
     path = results.record_path(config["results_dir"], config)
     with results.exclusive(path):
-        if path.exists() and not config["overwrite"]:
-            try:
-                record = results.read_record(path)
-            except results.UnreadableRecord as error:
-                print(f"warning: {error}; moved to {results.set_aside(path)}, running it again", file=sys.stderr)
-            else:
-                print(f"skipped: {path} exists (overwrite=true reruns it)")
-                print(summary_line(record))
-                return "skipped", record
+        if (record := existing(config, path)) is not None:
+            print(f"skipped: {path} exists (overwrite=true reruns it)")
+            print(summary_line(record))
+            return "skipped", record
         record = _compute(config, path, work_dir)
     results.failure_path(path).unlink(missing_ok=True)
     return "ran", record
