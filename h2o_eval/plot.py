@@ -4,7 +4,8 @@
 
 One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
 the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
-same numbers as ``summary.csv`` and ``summary.md``; ``--wandb-group`` logs them to a sweep's W&B group.
+same numbers as ``summary.csv`` and ``summary.md`` (ending with what the runs cost, summed and elapsed);
+``--wandb-group`` logs them to a sweep's W&B group.
 
 Every run is compared, document by document, with the full cache (or with ``--against POLICY`` at the same
 budget and protocol) on the same documents: ``paired_<against>.md`` holds the difference, its paired bootstrap
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,8 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "num_fewshot": record["num_fewshot"],
             "limit": record["limit"],
             "outputs": record.get("outputs"),
+            "wall_seconds": record.get("wall_seconds"),
+            "created": record["created"],
         }
         newest[tuple(row[c] for c in COLUMNS if c not in ("value", "stderr", "n_samples"))] = row
     return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
@@ -87,6 +91,23 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {value} | {r['n_samples']} | {r['num_fewshot']} | {r['limit']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def compute(rows: list[dict[str, Any]]) -> str:
+    """What the rows cost: their records' summed ``wall_seconds`` and the span from the first run's start
+    (``created`` minus its ``wall_seconds``) to the last run's end, the elapsed time when they ran in one go; a
+    paragraph to append to a table, empty when no record holds ``wall_seconds``."""
+    timed = [r for r in rows if r.get("wall_seconds") is not None]
+    if not timed:
+        return ""
+    starts = [datetime.fromisoformat(r["created"]) - timedelta(seconds=r["wall_seconds"]) for r in timed]
+    ends = [datetime.fromisoformat(r["created"]) for r in timed]
+    summed = sum(r["wall_seconds"] for r in timed)
+    span = (max(ends) - min(starts)).total_seconds()
+    return (
+        f"\nCompute: {len(timed)} records, {summed:,.0f} s of run time summed (`wall_seconds`); they ran from "
+        f"{min(starts):%Y-%m-%d %H:%M} to {max(ends):%Y-%m-%d %H:%M} UTC, {span:,.0f} s elapsed.\n"
+    )
 
 
 def mixed_limits(rows: list[dict[str, Any]]) -> dict[str, list[int | float | None]]:
@@ -295,7 +316,7 @@ def write(
         writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-    (out / "summary.md").write_text(markdown(rows))
+    (out / "summary.md").write_text(markdown(rows) + compute(rows))
     written += [out / "summary.csv", out / "summary.md"]
     for budget in at or []:
         written.append(out / f"at_{budget:g}.md")
@@ -369,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     files = write(rows, args.out or args.results_dir / "plots", args.at, compared)
     for path in files:
         print(path)
-    print(markdown(rows))
+    print(markdown(rows) + compute(rows))
     for budget in args.at or []:
         print(side_by_side(rows, budget))
     if compared:

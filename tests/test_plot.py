@@ -80,6 +80,25 @@ def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
     assert "xsum" not in markdown and "| copa |" in capsys.readouterr().out
 
 
+def test_summary_states_the_summed_and_the_elapsed_compute_of_its_records(tmp_path):
+    runs = [
+        ("copa", "full", 1.0, "2026-11-22T00:10:00+00:00", 600.0),
+        ("copa", "h2o", 0.2, "2026-11-22T00:15:00+00:00", 120.0),
+    ]
+    for number, (task, policy, budget, created, seconds) in enumerate(runs):
+        record = {**fake_record(task, policy, budget, 0.5, created=created), "wall_seconds": seconds}
+        results.write_record(tmp_path / f"r{number}.json", record)
+    plot.main([str(tmp_path), "--out", str(tmp_path / "plots")])
+    assert (
+        (tmp_path / "plots" / "summary.md")
+        .read_text()
+        .endswith(
+            "Compute: 2 records, 720 s of run time summed (`wall_seconds`); they ran from 2026-11-22 00:00 to "
+            "2026-11-22 00:15 UTC, 900 s elapsed.\n"
+        )
+    )
+
+
 def test_cli_refuses_a_missing_results_dir(tmp_path):
     with pytest.raises(SystemExit):
         plot.main([str(tmp_path / "nowhere")])
