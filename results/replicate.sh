@@ -1,46 +1,46 @@
 #!/usr/bin/env bash
 # Every command behind results/replication/ (see results/README.md). Resumable: a setting whose record exists is
-# skipped, so run it again after any interruption; stages run in the order given, most important first.
+# skipped, so run it again after any interruption.
 #   bash results/replicate.sh [DATA_DIR] [RUNS_DIR] [STAGE ...]
-# Stages (default: headline protocols budgets gemma summaries long_context tables):
+# The stages given run one after another, each one process of one thread at a time (default: all but zero_shot,
+# most important first). On a 2-core machine run two lanes side by side, then the tables:
+#   bash results/replicate.sh ../shared/data RUNS long_context summaries &
+#   bash results/replicate.sh ../shared/data RUNS headline protocols budgets gemma
+#   bash results/replicate.sh ../shared/data RUNS tables
+# A long-context grid (6-12 GB at 2k-4k with batch 4, measured peak RSS) and Gemma's lm-eval runs (7-9 GB) must
+# not run two at a time in 24 GB: two 2k grids side by side were killed for memory.
+# Stages:
 #   zero_shot     the first replication: SmolLM2, 0-shot, 100 documents (MathQA 50); COPA's full cache is its anchor
 #   headline      SmolLM2, 5-shot, simulate at 20 %: full, h2o, local, h2o_reference, streaming, tova
 #   protocols     SmolLM2, 5-shot, prefill and context at 20 %: every policy with a cache
 #   budgets       SmolLM2, 5-shot, simulate at 10 % and 50 %: h2o, local, h2o_reference, streaming, tova
-#   gemma         Gemma 3 270M, 5-shot, the headline and prefill cells on fewer documents
-#   summaries     XSUM and CNN/DM, 100 documents, prefill at 20 %: full, h2o, local, streaming, tova
+#   gemma         Gemma 3 270M, 5-shot: COPA's headline cells, and PIQA (200 documents) in simulate and prefill
+#   summaries     XSUM and CNN/DM, 1-shot, 100 documents, prefill at 20 %: full, h2o, local, streaming, tova
 #   long_context  niah_single and niah_multikey at 1k/2k/4k, every policy at 10 % and 25 %, prefill and context
-#   tables        results/replication/5shot/ (paired against full, and against local) and the needle heatmaps
+#   tables        results/replication/{5shot,gemma,summaries,long_context}: tables, paired tests and figures
 #
-# zero_shot writes to RUNS_DIR and results/replication/ (as it did); the others to RUNS_DIR/5shot.
+# zero_shot writes to RUNS_DIR and results/replication/ (as it did); the others to RUNS_DIR/replication.
 #
 # Cost, measured (one thread, this 2-core CPU): 5-shot lm-eval requests average 206 tokens per document on COPA,
 # 466 PIQA, 431 OpenBookQA, 292 Winogrande, 1,010 RTE and 1,707 MathQA (SmolLM2's tokenizer, choices counted).
-# With the full cache SmolLM2 takes about 100 s for COPA's 100 documents and 240 s for PIQA's first 100; eviction
-# adds 10-20 %; Gemma 3 270M is 3-5x slower (262k-word vocabulary). So one SmolLM2 cell over the limits below
-# takes about 1,200 s, and the headline stage about 2 core-hours. Lower the limits to fit less time.
+# One SmolLM2 policy over the six tasks at the limits below takes about 1,100 s, so headline is about 2 hours,
+# protocols 5 and budgets 3; Gemma 3 270M is 3-5x slower (262k-word vocabulary). A 1-shot CNN/DM document is
+# about 12 CPU s. A long-context grid of 34 cells over 20 documents takes about 1,700 s at 1k and 2,800 s at 2k.
 set -euo pipefail
 data=${1:-../shared/data}
 runs=${2:-results/runs}
 shift $(( $# < 2 ? $# : 2 ))
-stages=${*:-headline protocols budgets gemma summaries long_context tables}
-# Two runners side by side, one thread each: on 2 cores, two processes of 2 threads each thrash (5x slower).
+stages=${*:-headline protocols budgets long_context summaries gemma tables}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+out=$runs/replication
 sweep() { python -m h2o_eval --multirun data_dir="$data" results_dir="$out" wandb.mode=disabled threads=1 "$@"; }
-out=$runs/5shot
 
-# Per-task limits, paired into two runners of about equal cost (runner 1: COPA, RTE and MathQA; runner 2: the rest).
-five_shot="+experiment=paper_5shot"
-runner1_tasks() { sweep $five_shot task=copa "$@"; sweep $five_shot task=rte,mathqa limit=50 "$@"; }
-runner2_tasks() { sweep $five_shot task=piqa,winogrande,openbookqa limit=100 "$@"; }
-both() {  # the same settings on the six tasks, as two runners; fails if either does
-    runner1_tasks "$@" >> "$runs.runner1.log" 2>&1 &
-    local first=$!
-    runner2_tasks "$@" >> "$runs.runner2.log" 2>&1 &
-    local second=$! status=0
-    wait $first || status=$?
-    wait $second || status=$?
-    [ $status -eq 0 ] || { echo "a sweep failed: see $runs.runner*.log, then run this again" >&2; exit $status; }
+ll_tasks="copa piqa winogrande openbookqa rte mathqa"
+five_shot() {  # one setting on the six tasks, 5-shot: COPA all 100 documents, 100 of PIQA, Winogrande and
+    # OpenBookQA, 50 of RTE and MathQA (the longest requests)
+    sweep +experiment=paper_5shot task=copa "$@"
+    sweep +experiment=paper_5shot task=piqa,winogrande,openbookqa limit=100 "$@"
+    sweep +experiment=paper_5shot task=rte,mathqa limit=50 "$@"
 }
 
 zero_shot() {
@@ -68,51 +68,41 @@ zero_shot() {
         --out results/replication/observations
 }
 
-headline() { both model=smollm2-135m policy=full,h2o,local,h2o_reference,streaming,tova budget=0.2; }
+# Policy by policy, so that an interrupted stage leaves whole policies (all six tasks) behind.
+headline() { for policy in full h2o local h2o_reference streaming tova; do five_shot policy=$policy budget=0.2; done; }
 protocols() {
-    both model=smollm2-135m policy=h2o,local,streaming,tova,snapkv,pyramidkv,adakv,knorm budget=0.2 \
-        protocol=prefill,context
+    for policy in h2o local streaming tova snapkv pyramidkv adakv knorm; do
+        five_shot policy=$policy budget=0.2 protocol=prefill,context
+    done
 }
-budgets() { both model=smollm2-135m policy=h2o,local,h2o_reference,streaming,tova budget=0.1,0.5; }
+budgets() { for policy in h2o local h2o_reference streaming tova; do five_shot policy=$policy budget=0.1,0.5; done; }
 gemma() {
-    sweep model=gemma3-270m $five_shot task=copa policy=full,h2o,local,streaming,tova budget=0.2 \
-        >> "$runs.runner1.log" 2>&1 &
-    local first=$!
-    sweep model=gemma3-270m $five_shot task=piqa limit=200 policy=full,h2o,local,streaming budget=0.2 \
-        protocol=simulate,prefill >> "$runs.runner2.log" 2>&1 &
-    local second=$! status=0
-    wait $first || status=$?
-    wait $second || status=$?
-    [ $status -eq 0 ] || { echo "a sweep failed: see $runs.runner*.log, then run this again" >&2; exit $status; }
+    sweep model=gemma3-270m +experiment=paper_5shot task=copa policy=full,h2o,local,streaming,tova budget=0.2
+    sweep model=gemma3-270m +experiment=paper_5shot task=piqa limit=200 policy=full,h2o,local,streaming budget=0.2 \
+        protocol=simulate,prefill
 }
-summaries() {  # 0-shot: the paper's 5-shot HELM prompts are about 2,600 tokens, 44 s per document here
-    local settings="model=smollm2-135m limit=100 num_fewshot=0 protocol=prefill policy=full,h2o,local,streaming,tova"
-    sweep $settings budget=0.2 task=xsum >> "$runs.runner1.log" 2>&1 &
-    local first=$!
-    sweep $settings budget=0.2 task=cnn_dailymail >> "$runs.runner2.log" 2>&1 &
-    local second=$! status=0
-    wait $first || status=$?
-    wait $second || status=$?
-    [ $status -eq 0 ] || { echo "a sweep failed: see $runs.runner*.log, then run this again" >&2; exit $status; }
+summaries() {  # 1-shot: the paper's 5-shot HELM prompts are about 2,600 tokens, 44 s per document here
+    sweep model=smollm2-135m task=xsum,cnn_dailymail limit=100 num_fewshot=1 protocol=prefill \
+        policy=full,h2o,local,streaming,tova budget=0.2
 }
-long_context() {
-    # batch_size=4: a 4k grid holds every cell's cache for each document of a batch, 6.8 GB at 4 documents and
-    # 15.7 GB at 10 (measured peak RSS), so two grids side by side fit 24 GB only at 4.
-    local grid="python -m h2o_eval.grid model=smollm2-135m task.length=1024,2048,4096 ++task.max_new_tokens=32
-        limit=20 batch_size=4 policy=full,h2o,local,streaming,tova,snapkv,pyramidkv,adakv,knorm budget=0.1,0.25
-        protocol=prefill,context threads=1 data_dir=$data results_dir=$out wandb.mode=disabled"
-    $grid task=niah_single >> "$runs.runner1.log" 2>&1 &
-    local first=$!
-    $grid task=niah_multikey >> "$runs.runner2.log" 2>&1 &
-    local second=$! status=0
-    wait $first || status=$?
-    wait $second || status=$?
-    [ $status -eq 0 ] || { echo "a grid failed: see $runs.runner*.log, then run this again" >&2; exit $status; }
+long_context() {  # one process per length: a grid's memory is given back when it ends
+    for task in niah_single niah_multikey; do
+        for length in 1024 2048 4096; do
+            python -m h2o_eval.grid model=smollm2-135m task=$task task.length=$length ++task.max_new_tokens=32 \
+                limit=20 batch_size=4 policy=full,h2o,local,streaming,tova,snapkv,pyramidkv,adakv,knorm \
+                budget=0.1,0.25 protocol=prefill,context threads=1 data_dir="$data" results_dir="$out" \
+                wandb.mode=disabled
+        done
+    done
 }
 tables() {
-    python -m h2o_eval.plot "$out" --out results/replication/5shot --at 0.1 0.2 0.5
-    python -m h2o_eval.plot "$out" --out results/replication/5shot/against_local --at 0.2 --against local
-    python -m h2o_eval.plot "$out" --needle --out results/replication/long_context
+    local plot="python -m h2o_eval.plot $out" smollm2="--model smollm2-135m"
+    $plot $smollm2 --task $ll_tasks --out results/replication/5shot --at 0.1 0.2 0.5
+    $plot $smollm2 --task $ll_tasks --out results/replication/5shot/against_local --at 0.2 --against local
+    $plot --model gemma3-270m --out results/replication/gemma --at 0.2
+    $plot $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --at 0.2
+    $plot $smollm2 --task niah_single niah_multikey --out results/replication/long_context/tables --at 0.1 0.25
+    $plot --needle --out results/replication/long_context
 }
 
 mkdir -p "$out"
@@ -120,7 +110,11 @@ for stage in $stages; do
     case $stage in
         zero_shot | headline | protocols | budgets | gemma | summaries | long_context | tables)
             echo "$(date -u +%H:%M:%S) $stage"
-            $stage
+            set +e  # so that the stage's own errexit holds: it stops at its first failed command
+            ( set -e; $stage ) >> "$runs.$stage.log" 2>&1
+            status=$?
+            set -e
+            [ $status -eq 0 ] || { echo "stage $stage failed: see $runs.$stage.log, then run this again" >&2; exit 1; }
             ;;
         *) echo "unknown stage '$stage': use zero_shot, headline, protocols, budgets, gemma, summaries, long_context or tables" >&2; exit 2 ;;
     esac
