@@ -91,6 +91,14 @@ def prompt_rows(chunk: Chunk, n: int) -> torch.Tensor:
     return chunk.arriving & (rows < chunk.prefill.view(-1, 1))
 
 
+def share_votes(attention: torch.Tensor, rule: Rule) -> torch.Tensor:
+    """Votes [B, Hkv, N] (each KV head's query heads summed) as the rule hands them to the KV heads: as they are,
+    or with ``heads="layer"`` the layer's sum, the same for every head."""
+    if rule.heads == "layer":
+        return attention.sum(1, keepdim=True).expand_as(attention)
+    return attention
+
+
 def _lowest(scores: torch.Tensor, position: torch.Tensor, candidate: torch.Tensor) -> torch.Tensor:
     """Index of the candidate with the lowest score, the smallest position among equal scores."""
     best = scores.masked_fill(~candidate, float("inf")).amin(-1, keepdim=True)
@@ -222,7 +230,7 @@ def attend_chunk_reference(query: torch.Tensor, key: torch.Tensor, value: torch.
         masked = logits[:, :, :, row].masked_fill(~held.unsqueeze(2), float("-inf"))
         probs = torch.softmax(masked, dim=-1).nan_to_num(0.0) * arrives.view(batch, kv_heads, 1, 1)
         output[:, :, :, row] = torch.matmul(probs, value.float())
-        attention = probs.sum(2)
+        attention = share_votes(probs.sum(2), rule)
         if prompt_weights is not None:
             weight = torch.where(in_prompt[:, row], prompt_weights[:, row], float(rule.decode_votes <= 1))
         else:
@@ -302,7 +310,7 @@ def attend_chunk(
     rest = replace(chunk, held=held, scores=scores, capacity=capacity, arriving=decoding)
     if rest.rule.decode_votes == 2 and bool((held.sum(-1) + decoding.sum(-1, keepdim=True) <= capacity).all()):
         result = _attend_without_eviction(query, key, value, rest)
-    elif triton:
+    elif triton and rest.rule.heads == "kv":  # the Triton scan runs each KV head alone
         result = _scan_triton(query, key, value, rest)
     else:
         result = _scan_cpu(query, key, value, rest)
@@ -335,6 +343,7 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
             output, attention = column_scores(q, k, v, rows, weights, chunk.scaling)
         else:
             output, attention = column_scores_reference(q, k, v, rows, weights, chunk.scaling, output=chunk.output)
+        attention = share_votes(attention, rule)
         if rule.combine == "replace":
             scores[..., :last] = torch.where(rows.unsqueeze(1), attention, scores[..., :last])
         else:
@@ -376,12 +385,20 @@ def _attend_without_eviction(query, key, value, chunk: Chunk) -> Result:
 
 def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
     """The decode phase on the CPU: per block of rows, the block's logits (rows x visible slots), the numba scan
-    over them, then one masked softmax for the block's outputs."""
-    batch, _, n, _ = query.shape
-    slots = key.shape[2]
+    over them, then one masked softmax for the block's outputs.
+
+    With ``heads="layer"`` the KV heads hold one set of tokens, so the scan walks it once, as one head whose
+    group is every query head of the layer (each against its own KV head's logits), and every head gets the
+    result."""
+    batch, n = query.shape[0], query.shape[2]
+    kv_heads, slots = key.shape[1], key.shape[2]
     state = slots - n
-    held = chunk.held.cpu().numpy().copy()
-    scores = chunk.scores.detach().float().cpu().numpy().copy()
+    sets = 1 if chunk.rule.heads == "layer" else kv_heads
+    layout = [chunk.held, chunk.position, chunk.scores, chunk.capacity]
+    if sets == 1 and not all(torch.equal(t, t[:, :1].expand_as(t)) for t in layout):
+        raise RuntimeError("heads=layer needs the KV heads of a layer to hold the same tokens with the same scores")
+    held = chunk.held[:, :sets].cpu().numpy().copy()
+    scores = chunk.scores[:, :sets].detach().float().cpu().numpy().copy()
     enter = np.where(held, 0, n).astype(np.int64)
     leave = np.full(held.shape, n, dtype=np.int64)
     stuck = np.zeros(held.shape[:2], dtype=np.bool_)
@@ -389,9 +406,9 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
     args = (
         held,
         arriving,
-        chunk.position.cpu().numpy(),
+        chunk.position[:, :sets].contiguous().cpu().numpy(),
         scores,
-        chunk.capacity.cpu().numpy(),
+        chunk.capacity[:, :sets].contiguous().cpu().numpy(),
         chunk.recent.cpu().numpy(),
         chunk.sinks.cpu().numpy(),
         chunk.rule.decode_votes,
@@ -406,7 +423,7 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
         stop = min(start + ROW_BLOCK, n)
         seen_slots = state + stop
         logits = grouped_logits(query[:, :, start:stop], key[:, :, :seen_slots], chunk.scaling)
-        scan_rows(logits.detach().cpu().numpy(), start, *args)
+        scan_rows(logits.detach().cpu().numpy().reshape(batch, sets, -1, stop - start, seen_slots), start, *args)
         if stuck.any():
             raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
         rows = torch.arange(start, stop, device=device).view(1, 1, -1, 1)
@@ -418,7 +435,8 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
         seen = seen | (~chunk.arriving[:, start:stop].view(batch, 1, -1, 1) & own)
         probs = torch.softmax(logits.masked_fill(~seen.unsqueeze(2), float("-inf")), dim=-1)
         output[:, :, start:stop] = grouped_values(probs, value[:, :, :seen_slots]).to(query.dtype)
-    return Result(output, torch.from_numpy(held).to(device), torch.from_numpy(scores).to(device), chunk.capacity)
+    held_t, scores_t = (torch.from_numpy(a).to(device).expand(batch, kv_heads, -1).contiguous() for a in (held, scores))
+    return Result(output, held_t, scores_t, chunk.capacity)
 
 
 def _scan_triton(query, key, value, chunk: Chunk) -> Result:
@@ -493,6 +511,7 @@ def attend_held(
         output = decode_attention(query[:, :, 0], keys, values, held, attention, scaling)
     else:
         output = decode_attention_reference(query[:, :, 0], keys, values, held, attention, scaling)
+    attention = share_votes(attention, rule)
     if rule.decode_votes == 0:
         scores += attention
     elif rule.decode_votes == 1:

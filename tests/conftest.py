@@ -61,7 +61,8 @@ def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
 
 RULES = {
     "h2o": Rule(votes="all"),
-    "tova": Rule(votes="all", combine="replace"),
+    "tova": Rule(votes="all", combine="replace"),  # per KV head
+    "tova_layer": Rule(votes="all", combine="replace", heads="layer"),  # one token set per layer (the authors')
     "static": Rule(),  # scores that need no attention (random, key norm), or recency alone
     "snapkv": Rule(votes="window", window=3, pooling="max", kernel_size=3, grows=True),
     "snapkv_avg": Rule(votes="window", window=2, pooling="avg", kernel_size=5, grows=True),
@@ -74,7 +75,8 @@ def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=
     """Random q/k/v and a Chunk: ``state`` held slots with random scores, ``n`` new tokens (``padding``: none,
     left on the first sequence, right on the last), capacities varying by sequence and KV head (ragged heads),
     recent windows and sinks varying by sequence, the first ``prefill`` rows prompt rows (``state`` must then be
-    0). New tokens start with random scores when the rule takes no votes (as key scores would), else 0."""
+    0). New tokens start with random scores when the rule takes no votes (as key scores would), else 0. A rule
+    whose ``heads`` share one token set gets the same capacities and state scores in every KV head."""
     gen = torch.Generator().manual_seed(seed)
     slots = state + n
     query = torch.randn(batch, q_heads, n, dim, generator=gen).to(dtype)
@@ -93,6 +95,8 @@ def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=
     held = torch.zeros(batch, kv_heads, slots, dtype=torch.bool)
     held[..., :state] = True
     capacity = torch.tensor([[max(state, 3) + b + 2 * (h % 2) for h in range(kv_heads)] for b in range(batch)])
+    if rule.heads == "layer":
+        scores, capacity = scores[:, :1].expand_as(scores).contiguous(), capacity[:, :1].expand_as(capacity)
     chunk = Chunk(
         held=held,
         arriving=arriving,

@@ -437,6 +437,28 @@ def test_capacity_after_the_prompt_holds_at_every_step_per_layer_and_head(models
                 assert recent <= set(layer.position[b, h][layer.held[b, h]].tolist())
 
 
+@torch.no_grad()
+def test_tova_keeps_one_token_set_per_layer_as_its_authors_do(models):
+    """EvictionCache on tiny Llama (2 KV heads): prefill 30 tokens at C = 12, then 10 decode steps. With the
+    authors' layer-wide ranking (the default) both KV heads of every layer hold the same positions after the
+    prompt and after each step; ranked per KV head (heads=kv) they part somewhere."""
+    model = models("tiny-llama")
+    ids = tokens(2, 40, seed=9)
+    alike = {}
+    for heads in ("layer", "kv"):
+        cache = EvictionCache(model, make_policy("tova", budget=12, heads=heads), protocol="prefill")
+        model(ids[:, :30], past_key_values=cache, use_cache=True)
+        same = []
+        for step in range(30, 41):
+            for layer in cache.layers:
+                kept = [sorted(layer.position[b, h][layer.held[b, h]].tolist()) for b in range(2) for h in range(2)]
+                same.append(kept[0] == kept[1] and kept[2] == kept[3])
+            if step < 40:
+                model(ids[:, step : step + 1], past_key_values=cache, use_cache=True)
+        alike[heads] = all(same)
+    assert alike == {"layer": True, "kv": False}
+
+
 def test_fraction_budget_without_a_length_is_refused_token_by_token(models):
     model = models("tiny-llama")
     cache = EvictionCache(model, make_policy("h2o", budget=0.2))

@@ -83,6 +83,38 @@ def one_hot_chunk(rows: list[list[float]], capacity: int, recent: int, rule: Rul
 
 
 @pytest.mark.parametrize("implementation", [attend_chunk, attend_chunk_reference])
+def test_tova_ranks_by_the_layers_attention_and_keeps_one_token_set_per_layer(implementation):
+    """Two KV heads of one query head each, capacity 2, recent 1 (the current token). At t1 head 0 attends all
+    to token 0 and head 1 evenly to 0 and 1, so at t2 each head alone would evict a different token (head 0:
+    1, scored 0; head 1: the older of a tie, 0). Summed over the layer's heads, 0 scores 1.5 and 1 scores 0.5:
+    with heads="layer" both heads evict 1."""
+    x = -1e4
+    rows = {0: [[0, x, x], [0, x, x], [0, 0, 0]], 1: [[0, x, x], [0, 0, x], [0, 0, 0]]}
+    query = torch.tensor([rows[0], rows[1]], dtype=torch.float32).unsqueeze(0)
+    key = value = torch.eye(3).expand(1, 2, 3, 3)
+    kept = {}
+    for heads in ("layer", "kv"):
+        chunk = Chunk(
+            held=torch.zeros(1, 2, 3, dtype=torch.bool),
+            arriving=torch.ones(1, 3, dtype=torch.bool),
+            position=torch.arange(3).expand(1, 2, 3),
+            scores=torch.zeros(1, 2, 3),
+            capacity=torch.tensor([[2, 2]]),
+            recent=torch.tensor([1]),
+            sinks=torch.tensor([0]),
+            prefill=torch.tensor([0]),
+            rule=Rule(votes="all", combine="replace", heads=heads),
+            scaling=1.0,
+        )
+        result = implementation(query, key, value, chunk)
+        kept[heads] = result.held[0].tolist()
+        if heads == "layer":  # t2 attends evenly to what it sees, 0 and itself, in both heads
+            torch.testing.assert_close(result.scores[0, :, [0, 2]], torch.ones(2, 2))
+    assert kept["layer"] == [[True, False, True], [True, False, True]]
+    assert kept["kv"] == [[True, False, True], [False, True, True]]
+
+
+@pytest.mark.parametrize("implementation", [attend_chunk, attend_chunk_reference])
 def test_h2o_evicts_the_lowest_accumulated_score_outside_the_recent_window(implementation):
     """Capacity 3, recent 1 (the current token): two heavy slots. Logits of 0 and -inf make every
     probability exact, so the scores and evictions below are worked out by hand."""

@@ -119,7 +119,8 @@ def test_pyramidkv_capacities_fall_linearly_and_average_to_c(budget, length, lay
 
 def test_policies_state_their_rules_as_data():
     assert make_policy("h2o").rule == Rule(votes="all")
-    assert make_policy("tova").rule == Rule(votes="all", combine="replace")
+    assert make_policy("tova").rule == Rule(votes="all", combine="replace", heads="layer")
+    assert make_policy("tova", heads="kv").rule == Rule(votes="all", combine="replace")
     assert make_policy("snapkv", window=8, pooling="avg", kernel_size=5).rule == Rule(
         votes="window", window=8, pooling="avg", kernel_size=5, grows=True
     )
@@ -160,6 +161,8 @@ def test_key_norm_scores_are_the_negative_l2_norms():
         ("adakv", {"base": "local"}, r"base='local': use one of snapkv, pyramidkv, knorm"),
         ("adakv", {"base": "nope"}, r"base='nope': use one of snapkv"),
         ("adakv", {"sinks": 2}, r"policy 'snapkv' takes no sinks"),
+        ("tova", {"heads": "query"}, r"^tova: heads='query': use one of layer, kv$"),
+        ("adakv", {"base": "tova"}, r"base='tova' with heads=layer keeps one token set per layer.*add heads=kv"),
     ],
 )
 def test_every_policy_parameter_is_checked_in_one_line(name, params, message):

@@ -40,6 +40,11 @@ class AdaKV(Policy):
             object.__setattr__(self, "base", SnapKV(budget=self.budget))
         if self.base.name not in BASES:
             raise ConfigError(f"adakv: base={self.base.name!r}: use one of {', '.join(BASES)}")
+        if self.base.rule.heads == "layer":
+            raise ConfigError(
+                f"adakv: base={self.base.name!r} with heads=layer keeps one token set per layer, which per-head "
+                "shares cannot change: add heads=kv (+policy.heads=kv on the command line)"
+            )
         object.__setattr__(self, "budget", self.base.budget)
         super().__post_init__()
         check_number(self.name, "alpha", self.alpha, low=0, high=1)

@@ -45,9 +45,9 @@ class Rule:
     """How scores are made and used: the data every implementation of the mechanism reads.
 
     Args:
-        votes: which query rows' attention (summed over the KV head's query heads) feeds the scores: ``"all"``
-            rows, the last ``window`` rows of a prompt (``"window"``), or ``"none"`` (scores come from
-            :meth:`Policy.key_scores`, or recency alone decides).
+        votes: which query rows' attention (summed over the KV head's query heads, see ``heads``) feeds the
+            scores: ``"all"`` rows, the last ``window`` rows of a prompt (``"window"``), or ``"none"`` (scores
+            come from :meth:`Policy.key_scores`, or recency alone decides).
         combine: ``"add"``: votes accumulate (H2O); ``"replace"``: the latest vote is the score (TOVA).
         window: the voting rows of ``votes="window"``.
         pooling: ``None``, ``"max"`` or ``"avg"``: when a prompt is compressed, the scores of the tokens older
@@ -59,6 +59,10 @@ class Rule:
         safeguard: ``None``: each KV head keeps its own C. A share in [0, 1]: when a prompt is compressed, the
             layer's Hkv * C slots go to the best scores of all its KV heads together, each head guaranteed its
             protected tokens and its floor(safeguard * C) best (Ada-KV); heads then hold different numbers.
+        heads: ``"kv"``: each KV head's votes are its own query heads' attention, so each head keeps its own
+            tokens. ``"layer"``: every KV head gets the votes of all the layer's query heads summed, so the heads
+            of a layer, starting alike (an empty cache, one capacity), keep one set of tokens (TOVA as its
+            authors run it).
     """
 
     votes: str = "none"
@@ -68,6 +72,7 @@ class Rule:
     kernel_size: int = 1
     grows: bool = False
     safeguard: float | None = None
+    heads: str = "kv"
 
     @property
     def decode_votes(self) -> int:
