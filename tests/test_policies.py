@@ -117,6 +117,11 @@ def test_pyramidkv_capacities_fall_linearly_and_average_to_c(budget, length, lay
     assert all(policy.plan(length, layer, layers).recent == 4 for layer in range(layers))
 
 
+def test_a_rule_refuses_an_unknown_heads_layout():
+    with pytest.raises(ConfigError, match=r"^Rule: heads='query': use one of kv, layer$"):
+        Rule(heads="query")
+
+
 def test_policies_state_their_rules_as_data():
     assert make_policy("h2o").rule == Rule(votes="all")
     assert make_policy("tova").rule == Rule(votes="all", combine="replace", heads="layer")

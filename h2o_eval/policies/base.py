@@ -74,6 +74,10 @@ class Rule:
     safeguard: float | None = None
     heads: str = "kv"
 
+    def __post_init__(self) -> None:
+        if self.heads not in ("kv", "layer"):
+            raise ConfigError(f"Rule: heads={self.heads!r}: use one of kv, layer")
+
     @property
     def decode_votes(self) -> int:
         """What an arriving token past the prompt does to the scores: 0 adds its attention, 1 replaces them
