@@ -225,6 +225,7 @@ def summarise(
                     "prompt_tokens": prompt_lengths[row],
                     "generated_tokens": length,
                     "capacity": min(round(float(capacity[row]), 2), prompt_lengths[row] + length),
+                    "budget_tokens": cache.lengths[row],
                 }
             )
         progress.update(len(indices[start : start + batch_size]))
@@ -258,14 +259,15 @@ def summarise(
 
 
 def capacity_stats(outputs: list[dict[str, Any]]) -> dict[str, float]:
-    """The record's ``capacity`` of a generation run, from its per-document outputs (``prompt_tokens``,
-    ``generated_tokens`` and the ``capacity`` each one's cache had)."""
+    """The record's ``capacity`` of a generation run, from its per-document outputs (the ``capacity`` each one's
+    cache had, and ``budget_tokens``, the length its budget applied to: the prompt, or the context under
+    ``protocol=context``), as the log-likelihood runs report it: the full cache keeps 100 %."""
     n = max(len(outputs), 1)
     return {
         "sequences": len(outputs),
-        "length_mean": sum(o["prompt_tokens"] for o in outputs) / n,
+        "length_mean": sum(o["budget_tokens"] for o in outputs) / n,
         "capacity_mean": sum(o["capacity"] for o in outputs) / n,
         "capacity_min": min((o["capacity"] for o in outputs), default=0),
         "capacity_max": max((o["capacity"] for o in outputs), default=0),
-        "kept_fraction_mean": sum(o["capacity"] / (o["prompt_tokens"] + o["generated_tokens"]) for o in outputs) / n,
+        "kept_fraction_mean": sum(o["capacity"] / o["budget_tokens"] for o in outputs) / n,
     }

@@ -406,8 +406,9 @@ def _greedy(task: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _rows(batch, sequences, prompt_width: int, tokenizer: Any, capacity) -> list[dict[str, Any]]:
+def _rows(batch, sequences, prompt_width: int, tokenizer: Any, cache: Any) -> list[dict[str, Any]]:
     """Per-document outputs of one generated batch: the answer up to end of sequence, scored."""
+    capacity = cache.capacity()
     rows = []
     for row, document in enumerate(batch):
         tokens = sequences[row, prompt_width:].tolist()
@@ -425,6 +426,7 @@ def _rows(batch, sequences, prompt_width: int, tokenizer: Any, capacity) -> list
                 "scores": {"string_match_all": string_match_all(prediction, document["answers"])},
                 "generated_tokens": length,
                 "capacity": min(round(float(capacity[row]), 2), document["length"] + length),
+                "budget_tokens": cache.lengths[row],
                 "needles": document["needles"],
                 "prompt": document["prompt"],
             }
@@ -478,7 +480,7 @@ def evaluate(
         sequences = generate(model, cache, ids, mask, width, **_greedy(task, tokenizer))
         seconds += time.perf_counter() - began
         peak = max(peak, cache.peak_entries)
-        outputs += _rows(batch, sequences, ids.shape[1], tokenizer, cache.capacity())
+        outputs += _rows(batch, sequences, ids.shape[1], tokenizer, cache)
         progress.update(len(batch))
     progress.close()
     return _fields(task, outputs, seconds, peak), outputs
@@ -547,7 +549,7 @@ def evaluate_shared(
                         )
                 seconds[i] += share + time.perf_counter() - began
                 peak[i] = max(peak[i], cache.peak_entries)
-                outputs[i] += _rows(batch, sequences, prompt_width, tokenizer, cache.capacity())
+                outputs[i] += _rows(batch, sequences, prompt_width, tokenizer, cache)
             progress.update(len(batch))
     progress.close()
     return [(_fields(task, rows, seconds[i], peak[i]), rows) for i, rows in enumerate(outputs)]

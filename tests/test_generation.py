@@ -167,8 +167,10 @@ def test_full_policy_peak_kv_is_the_full_cache(tmp_path, data_dir):
         num_fewshot=0,
         **{"generation.max_new_tokens": 6, "generation.max_words": 40},
     )
-    stats = run(config, tmp_path / "work")["generation"]
+    record = run(config, tmp_path / "work")
+    stats, capacity = record["generation"], record["capacity"]
     assert stats["kv_peak_entries"] == stats["kv_full_entries"] > 0
+    assert capacity["kept_fraction_mean"] == 1.0 and capacity["length_mean"] == stats["prompt_tokens_mean"]
 
 
 @torch.no_grad()

@@ -234,6 +234,9 @@ def test_cli_writes_a_record_and_outputs_with_depths_answers_and_scores(tmp_path
         assert score == longcontext.string_match_all(output["prediction"], output["answers"])
     per_document = [o["scores"]["string_match_all"] for o in outputs]
     assert record["metrics"]["string_match_all"] == pytest.approx(sum(per_document) / 5)
+    assert [o["budget_tokens"] for o in outputs] == [o["prompt_tokens"] for o in outputs]
+    kept = record["capacity"]["kept_fraction_mean"]
+    assert 0.5 <= kept <= 0.5 + 1 / 252, "h2o at 50 % keeps ceil(0.5 n) of each n-token prompt"
     cli(300)
     assert len(list((tmp_path / "out").glob("*.json"))) == 2, "the length is part of a record's identity"
 
@@ -251,6 +254,9 @@ def test_under_the_context_protocol_a_full_cache_answers_as_under_prefill(tmp_pa
         return [json.loads(line) for line in (folder / record["outputs"]).read_text().splitlines()]
 
     answered = [(o["id"], o["prediction"]) for o in outputs(context, tmp_path / "context")]
+    budgeted = [o["budget_tokens"] for o in outputs(context, tmp_path / "context")]
+    assert budgeted == [o["context_tokens"] for o in outputs(context, tmp_path / "context")]
+    assert context["capacity"]["kept_fraction_mean"] == prefill["capacity"]["kept_fraction_mean"] == 1.0
     assert answered == [(o["id"], o["prediction"]) for o in outputs(prefill, tmp_path / "prefill")]
     assert len({o["prompt_tokens"] - o["context_tokens"] for o in outputs(context, tmp_path / "context")}) > 1
 
