@@ -3,6 +3,8 @@ entries per (sequence, layer, KV head), evicting through the same mechanism as :
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -45,9 +47,15 @@ class EvictionLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
+    @property
+    def owner(self) -> EvictionCache:
+        return self._owner()
+
     def __init__(self, owner: EvictionCache, layer_idx: int, window: int | None = None) -> None:
         super().__init__()
-        self.owner, self.layer_idx, self.window = owner, layer_idx, window
+        # A weak link: cache -> layers -> cache would be a cycle that only the garbage collector frees, so a
+        # loop making one cache per batch would hold every finished cache until a full collection.
+        self._owner, self.layer_idx, self.window = weakref.ref(owner), layer_idx, window
         self.seen = 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.slot: torch.Tensor | None = None  # [B, Hkv] slot the single arriving token took (decode steps)

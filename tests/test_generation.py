@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -42,6 +44,25 @@ def test_full_policy_generates_exactly_what_plain_generate_does(tiny):
             **batch, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=cache
         )
         assert torch.equal(full, plain)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("protocol", ["prefill", "context"])
+def test_a_finished_cache_is_freed_without_the_garbage_collector(tiny, protocol):
+    """A runner makes one cache per batch (34 per batch in a long-context grid): each must be freed when its last
+    reference goes, not left in a reference cycle until a full collection (a 4k grid grew 1 GB per batch)."""
+    model, tokenizer = tiny
+    batch = prompts_batch(tokenizer)
+    width = batch["input_ids"].shape[1] - 3 if protocol == "context" else None
+    gc.disable()
+    try:
+        cache = EvictionCache(model, make_policy("h2o", budget=0.5), protocol=protocol)
+        generate(model, cache, batch["input_ids"], batch["attention_mask"], width, max_new_tokens=4, do_sample=False)
+        held = [weakref.ref(cache), *(weakref.ref(layer.keys) for layer in cache.layers)]
+        del cache
+        assert [ref() for ref in held] == [None] * len(held)
+    finally:
+        gc.enable()
 
 
 @torch.no_grad()
