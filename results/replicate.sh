@@ -7,8 +7,9 @@
 #   bash results/replicate.sh ../shared/data RUNS long_context summaries &
 #   bash results/replicate.sh ../shared/data RUNS headline protocols budgets gemma
 #   bash results/replicate.sh ../shared/data RUNS tables
-# A long-context grid (6-12 GB at 2k-4k with batch 4, measured peak RSS) and Gemma's lm-eval runs (7-9 GB) must
-# not run two at a time in 24 GB: two 2k grids side by side were killed for memory.
+# A long-context grid at 4k with batch 4 holds about 9 GB (34 cells; 5.2 GB peak RSS for the 17 cells of one
+# protocol) and Gemma's lm-eval runs 7-9 GB: not two at a time in 24 GB. (Before 9d75e92 finished caches were
+# freed only by a full gc, grids grew about 1 GB per batch, and two grids side by side were killed for memory.)
 # Stages:
 #   zero_shot     the first replication: SmolLM2, 0-shot, 100 documents (MathQA 50); COPA's full cache is its anchor
 #   headline      SmolLM2, 5-shot, simulate at 20 %: full, h2o, local, h2o_reference, streaming, tova
@@ -25,7 +26,8 @@
 # 466 PIQA, 431 OpenBookQA, 292 Winogrande, 1,010 RTE and 1,707 MathQA (SmolLM2's tokenizer, choices counted).
 # One SmolLM2 policy over the six tasks at the limits below takes about 1,100 s, so headline is about 2 hours,
 # protocols 5 and budgets 3; Gemma 3 270M is 3-5x slower (262k-word vocabulary). A 1-shot CNN/DM document is
-# about 12 CPU s. A long-context grid of 34 cells over 20 documents takes about 1,700 s at 1k and 2,800 s at 2k.
+# about 12 CPU s. A long-context grid of 34 cells over 20 documents takes about 1,700 s at 1k, 2,800 s at 2k and
+# 5,000 s at 4k.
 set -euo pipefail
 data=${1:-../shared/data}
 runs=${2:-results/runs}
