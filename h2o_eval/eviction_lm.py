@@ -173,9 +173,16 @@ class EvictionLM(HFLM):
         new_tokens = sequences[:, ids.shape[1] :]
         prompts = mask.sum(-1).tolist()
         produced = (new_tokens != self.tokenizer.pad_token_id).sum(-1).tolist()
-        for prompt, length, capacity in zip(prompts, produced, cache.capacity().tolist(), strict=True):
+        for prompt, length, capacity, budgeted in zip(
+            prompts, produced, cache.capacity().tolist(), cache.lengths, strict=True
+        ):
             self.generated.append(
-                {"prompt_tokens": prompt, "generated_tokens": length, "capacity": min(capacity, prompt + length)}
+                {
+                    "prompt_tokens": prompt,
+                    "generated_tokens": length,
+                    "capacity": min(capacity, prompt + length),
+                    "budget_tokens": budgeted,
+                }
             )
         return sequences
 

@@ -125,6 +125,7 @@ def test_a_task_outside_conf_scores_like_lm_eval_with_the_full_cache(tasks, reco
         for metric in metrics:
             assert record["metrics"][metric] == expected[f"{metric},none"], (task, metric)
     assert records[("gen_task", "full")]["metrics"]["exact_match"] == 1.0
+    assert records[("gen_task", "full")]["capacity"]["kept_fraction_mean"] == 1.0
     assert records[("mc_task", "full")]["output_type"] == "multiple_choice"
     assert records[("gen_task", "full")]["protocol"] == "prefill"  # generate_until: the deployment protocol
 
