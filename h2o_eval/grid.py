@@ -80,6 +80,7 @@ def run_group(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     first = configs[0]
     start = time.perf_counter()
+    git = results.git_commit()
     threads = apply_threads(first["threads"])
     model, tokenizer = load_model(first["model"], device=first["device"], dtype=first["dtype"])
     cells = [(policy_of(config), config) for config in configs]
@@ -89,7 +90,7 @@ def run_group(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (policy, config), (fields, outputs) in zip(cells, computed, strict=True):
         fields["generation"]["shared_prompt_cells"] = len(configs)
         path = results.record_path(config["results_dir"], config)
-        records.append(finish(config, path, policy, fields, outputs, threads, seconds))
+        records.append(finish(config, path, policy, fields, outputs, threads, seconds, git))
     return records
 
 

@@ -159,6 +159,7 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
     from h2o_eval.models import load_model
 
     start = time.perf_counter()
+    git = results.git_commit()  # the code that starts the run, whatever lands while it runs
     applied_threads = apply_threads(config["threads"])
     model, tokenizer = load_model(config["model"], device=config["device"], dtype=config["dtype"])
     policy = policy_of(config)
@@ -184,7 +185,8 @@ def _compute(config: dict[str, Any], path: Path, work_dir: Path | None) -> dict[
     else:
         work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
         fields, outputs, table = _lm_eval_task(model, tokenizer, policy, config, work_dir)
-    return finish(config, path, policy, fields, outputs, applied_threads, time.perf_counter() - start, work_dir, table)
+    seconds = time.perf_counter() - start
+    return finish(config, path, policy, fields, outputs, applied_threads, seconds, git, work_dir, table)
 
 
 def finish(
@@ -195,11 +197,13 @@ def finish(
     outputs: list[dict[str, Any]],
     threads: dict[str, Any],
     seconds: float,
+    git: dict[str, Any],
     work_dir: Path | None = None,
     table: str | None = None,
 ) -> dict[str, Any]:
-    """Write a computed run's record (``fields`` from its runner, ``seconds`` of wall time) and per-document
-    outputs at ``path``, log it to W&B and print its summary line. Returns the record."""
+    """Write a computed run's record (``fields`` from its runner, ``seconds`` of wall time, ``git`` the
+    :func:`~h2o_eval.results.git_commit` read when the computation started) and per-document outputs at
+    ``path``, log it to W&B and print its summary line. Returns the record."""
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
     record = {
         "schema_version": results.SCHEMA_VERSION,
@@ -218,7 +222,7 @@ def finish(
         "wall_seconds": round(seconds, 3),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "versions": results.versions(),
-        "git": results.git_commit(),
+        "git": git,
         "config": config,
     }
     record["outputs"] = results.outputs_path(path).name

@@ -45,6 +45,24 @@ def data_dir() -> Path:
     return DATA_DIR
 
 
+@pytest.fixture
+def commit_lands_during_the_run(monkeypatch):
+    """``results.git_commit`` answers commit "started" until the model has loaded, then "landed" (as when a commit
+    lands while a long run computes)."""
+    from h2o_eval import models, results
+
+    head = {"commit": "started", "dirty": False}
+    real_load = models.load_model
+
+    def load_then_land(*args, **kwargs):
+        loaded = real_load(*args, **kwargs)
+        head["commit"] = "landed"
+        return loaded
+
+    monkeypatch.setattr(results, "git_commit", lambda: dict(head))
+    monkeypatch.setattr(models, "load_model", load_then_land)
+
+
 def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
     """A resolved run config as the CLI would build it, composed by Hydra from conf/ with ``overrides``."""
     from hydra import compose, initialize_config_module

@@ -134,3 +134,13 @@ def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     with pytest.raises(ConfigError, match="cannot be shared"):
         SharedPrompt([EvictionCache(load_model("tiny-llama")[0], make_policy("h2o", budget=0.5))])
+
+
+def test_grid_records_name_the_commit_their_cells_started_from(data_dir, tmp_path, commit_lands_during_the_run):
+    args = ["model=tiny-llama", "task=niah_single", "task.length=128", "++task.max_new_tokens=2", "limit=2"]
+    grid.main(
+        [*args, "policy=h2o,local", "budget=0.5", "protocol=prefill", f"data_dir={data_dir}"]
+        + [f"results_dir={tmp_path / 'grid'}", "wandb.mode=disabled"]
+    )
+    records = [json.loads(path.read_text()) for path in (tmp_path / "grid").glob("*.json")]
+    assert len(records) == 2 and all(r["git"] == {"commit": "started", "dirty": False} for r in records)

@@ -402,3 +402,10 @@ def test_summarisation_progress_counts_documents(tmp_path, data_dir, capsys):
     progress = capsys.readouterr().err.replace("\r", "\n").splitlines()
     assert [line for line in progress if "generating xsum" in line][-1].startswith("generating xsum: 100%")
     assert any("| 3/3 " in line and "doc" in line for line in progress)  # documents, not 2 batches
+
+
+def test_a_record_names_the_commit_its_run_started_from(tmp_path, data_dir, commit_lands_during_the_run):
+    config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", policy="h2o", limit=2)
+    status, record = execute(config, tmp_path / "work")
+    assert status == "ran" and record["git"] == {"commit": "started", "dirty": False}
+    assert results.read_record(results.record_path(tmp_path / "results", validate(config)))["git"] == record["git"]
