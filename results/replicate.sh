@@ -15,7 +15,7 @@
 #   headline      SmolLM2, 5-shot, simulate at 20 %: full, h2o, local, h2o_reference, streaming, tova
 #   protocols     SmolLM2, 5-shot, COPA and PIQA, prefill and context at 20 %: every policy with a cache
 #   budgets       SmolLM2, 5-shot, COPA and PIQA, simulate at 10 % and 50 %: h2o, local, h2o_reference, streaming, tova
-#   gemma         Gemma 3 270M, 5-shot: COPA's headline cells, and PIQA (200 documents) in simulate and prefill
+#   gemma         Gemma 3 270M, 5-shot, simulate at 20 %: COPA's headline cells, then PIQA (100) full, h2o, local
 #   summaries     XSUM and CNN/DM, 1-shot, 100 documents, prefill at 20 %: full, h2o, local, streaming, tova
 #   long_context  niah_single and niah_multikey at 1k/2k/4k, every policy at 10 % and 25 %, prefill and context
 #   tables        results/replication/{5shot,gemma,summaries,long_context}: tables, paired tests and figures
@@ -83,8 +83,7 @@ protocols() {
 budgets() { for policy in h2o local h2o_reference streaming tova; do above_chance policy=$policy budget=0.1,0.5; done; }
 gemma() {
     sweep model=gemma3-270m +experiment=paper_5shot task=copa policy=full,h2o,local,streaming,tova budget=0.2
-    sweep model=gemma3-270m +experiment=paper_5shot task=piqa limit=200 policy=full,h2o,local,streaming budget=0.2 \
-        protocol=simulate,prefill
+    sweep model=gemma3-270m +experiment=paper_5shot task=piqa limit=100 policy=full,h2o,local budget=0.2
 }
 summaries() {  # 1-shot: the paper's 5-shot HELM prompts are about 2,600 tokens, 44 s per document here
     sweep model=smollm2-135m task=xsum,cnn_dailymail limit=100 num_fewshot=1 protocol=prefill \
