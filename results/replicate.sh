@@ -18,7 +18,8 @@
 #   gemma         Gemma 3 270M, 5-shot, simulate at 20 %: COPA's headline cells, then PIQA (100) full, h2o, local
 #   summaries     XSUM and CNN/DM, 1-shot, 100 documents, prefill at 20 %: full, h2o, local, streaming, tova
 #   long_context  niah_single and niah_multikey at 1k/2k/4k, every policy at 10 % and 25 %, prefill and context
-#   tables        results/replication/{5shot,gemma,summaries,long_context}: tables, paired tests and figures
+#   tables        results/replication/{5shot,gemma,summaries,long_context}: tables, paired tests and figures, each
+#                 from its records in RUNS_DIR/replication (a folder without records there is left as committed)
 #
 # zero_shot writes to RUNS_DIR and results/replication/ (as it did); the others to RUNS_DIR/replication.
 #
@@ -99,14 +100,25 @@ long_context() {  # one process per length: a grid's memory is given back when i
         done
     done
 }
+plot() {  # plot RECORD_GLOB ARGS...: the tables and figures of the records matching RECORD_GLOB, if there are any
+    local pattern=$1
+    shift
+    if compgen -G "$out/$pattern.json" > /dev/null; then
+        python -m h2o_eval.plot "$out" "$@"
+    else
+        echo "no records $out/$pattern.json: its tables are left as committed (run its stage first)"
+    fi
+}
 tables() {
-    local plot="python -m h2o_eval.plot $out" smollm2="--model smollm2-135m"
-    $plot $smollm2 --task $ll_tasks --out results/replication/5shot --at 0.1 0.2 0.5
-    $plot $smollm2 --task $ll_tasks --out results/replication/5shot/against_local --at 0.2 --against local
-    $plot --model gemma3-270m --out results/replication/gemma --at 0.2
-    $plot $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --at 0.2
-    $plot $smollm2 --task niah_single niah_multikey --out results/replication/long_context/tables --at 0.1 0.25
-    $plot --needle --out results/replication/long_context
+    local smollm2="--model smollm2-135m"
+    plot "smollm2-135m__copa__*__5shot__*" $smollm2 --task $ll_tasks --out results/replication/5shot --at 0.1 0.2 0.5
+    plot "smollm2-135m__copa__*__5shot__*" $smollm2 --task $ll_tasks --out results/replication/5shot/against_local \
+        --at 0.2 --against local
+    plot "gemma3-270m__*" --model gemma3-270m --out results/replication/gemma --at 0.2
+    plot "smollm2-135m__xsum__*" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --at 0.2
+    plot "smollm2-135m__niah_*" $smollm2 --task niah_single niah_multikey --out results/replication/long_context/tables \
+        --at 0.1 0.25
+    plot "smollm2-135m__niah_*" --needle --out results/replication/long_context
 }
 
 mkdir -p "$out"
