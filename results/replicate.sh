@@ -117,6 +117,7 @@ tables() {
     plot "smollm2-135m__copa__*__5shot__*" $smollm2 --task $ll_tasks \
         --out results/replication/5shot/against_h2o_reference --at 0.1 0.2 0.5 --against h2o_reference
     plot "gemma3-270m__*" --model gemma3-270m --out results/replication/gemma --at 0.2
+    plot "gemma3-270m__*" --model gemma3-270m --out results/replication/gemma/against_local --at 0.2 --against local
     plot "smollm2-135m__xsum__*" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --at 0.2
     plot "smollm2-135m__niah_*" $smollm2 --task niah_single niah_multikey --out results/replication/long_context/tables \
         --at 0.1 0.25
