@@ -27,7 +27,8 @@
 # 466 PIQA, 431 OpenBookQA, 292 Winogrande, 1,010 RTE and 1,707 MathQA (SmolLM2's tokenizer, choices counted).
 # One SmolLM2 policy over the six tasks at the limits below takes about 1,100 s, so headline is about 2 hours;
 # on COPA and PIQA alone a setting takes about 280 s: protocols took 76 min and budgets 54. Gemma 3 270M is
-# 3-5x slower (262k-word vocabulary). A 1-shot CNN/DM document is about 12 CPU s. A long-context grid of 34 cells over 20 documents takes about 1,700 s at 1k, 2,800 s at 2k and
+# about 2.5x slower (262k-word vocabulary; 200 s on COPA, 480 s on PIQA's 100). A 1-shot CNN/DM document is
+# about 12 CPU s. A long-context grid of 34 cells over 20 documents takes about 1,700 s at 1k, 2,800 s at 2k and
 # 5,000 s at 4k.
 set -euo pipefail
 data=${1:-../shared/data}
