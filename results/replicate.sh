@@ -74,7 +74,7 @@ zero_shot() {
 
 # Policy by policy, so that an interrupted stage leaves whole policies (all six tasks) behind.
 headline() { for policy in full h2o local h2o_reference streaming tova; do five_shot policy=$policy budget=0.2; done; }
-# Protocols and budgets on the two tasks where the full cache is above chance (COPA, PIQA: 270 s per setting
+# Protocols and budgets on the two tasks where the full cache is above chance (COPA, PIQA: 280 s per setting
 # against 1,100 s for all six); on the other four, eviction can only move a coin flip.
 above_chance() { sweep +experiment=paper_5shot task=copa "$@"; sweep +experiment=paper_5shot task=piqa limit=100 "$@"; }
 protocols() {
@@ -111,18 +111,17 @@ plot() {  # plot RECORD_GLOB ARGS...: the tables and figures of the records matc
     fi
 }
 tables() {
-    local smollm2="--model smollm2-135m"
-    plot "smollm2-135m__copa__*__5shot__*" $smollm2 --task $ll_tasks --out results/replication/5shot --at 0.1 0.2 0.5
-    plot "smollm2-135m__copa__*__5shot__*" $smollm2 --task $ll_tasks --out results/replication/5shot/against_local \
-        --at 0.2 --against local
-    plot "smollm2-135m__copa__*__5shot__*" $smollm2 --task $ll_tasks \
-        --out results/replication/5shot/against_h2o_reference --at 0.1 0.2 0.5 --against h2o_reference
-    plot "gemma3-270m__*" --model gemma3-270m --out results/replication/gemma --at 0.2
-    plot "gemma3-270m__*" --model gemma3-270m --out results/replication/gemma/against_local --at 0.2 --against local
+    local smollm2="--model smollm2-135m" five="smollm2-135m__copa__*__5shot__*" gemma="gemma3-270m__*"
+    local niah="smollm2-135m__niah_*"
+    plot "$five" $smollm2 --task $ll_tasks --out results/replication/5shot --at 0.1 0.2 0.5
+    plot "$five" $smollm2 --task $ll_tasks --out results/replication/5shot/against_local --at 0.2 --against local
+    plot "$five" $smollm2 --task $ll_tasks --out results/replication/5shot/against_h2o_reference --at 0.1 0.2 0.5 \
+        --against h2o_reference
+    plot "$gemma" --model gemma3-270m --out results/replication/gemma --at 0.2
+    plot "$gemma" --model gemma3-270m --out results/replication/gemma/against_local --at 0.2 --against local
     plot "smollm2-135m__xsum__*" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --at 0.2
-    plot "smollm2-135m__niah_*" $smollm2 --task niah_single niah_multikey --out results/replication/long_context/tables \
-        --at 0.1 0.25
-    plot "smollm2-135m__niah_*" --needle --out results/replication/long_context
+    plot "$niah" $smollm2 --task niah_single niah_multikey --out results/replication/long_context/tables --at 0.1 0.25
+    plot "$niah" --needle --out results/replication/long_context
 }
 
 mkdir -p "$out"
