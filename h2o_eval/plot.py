@@ -170,7 +170,8 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
     the row plus ``against``, ``baseline`` (its value), ``paired`` (a :class:`~h2o_eval.stats.Paired`) and
     ``pairs`` (the aligned per-document scores). Rows without per-document scores, without a baseline or scored
     on other documents than it are left out. A setting run on several tasks also gets a row whose task is
-    ``mean of N tasks``: the mean of the per-task differences, resampled within each task."""
+    ``mean of N tasks``: the mean of the per-task differences, resampled within each task (none when a task was
+    scored on several ``limit`` values: which documents stand for it is not the table's to choose)."""
     documents: dict[str | None, dict | None] = {}
 
     def scores(row: dict[str, Any]) -> dict | None:
@@ -194,7 +195,15 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
             row
         )
     for (model, protocol, policy, budget, metric), group in settings.items():
-        if len(group) > 1:
+        tasks = [row["task"] for row in group]
+        if len(set(tasks)) < len(tasks):
+            repeated = sorted({task for task in tasks if tasks.count(task) > 1})
+            print(
+                f"note: no mean over tasks for {model} {policy} {protocol} at {budget:.0%}: "
+                f"{', '.join(repeated)} scored on several limits (give each limit's records a results dir of its own)",
+                file=sys.stderr,
+            )
+        elif len(group) > 1:
             paired = stats.paired_mean([row["pairs"] for row in group])
             compared.append(
                 {

@@ -180,7 +180,7 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
     )
 
 
-def paired_record(folder, name, task, policy, budget, outcomes, protocol="simulate", ids=None):
+def paired_record(folder, name, task, policy, budget, outcomes, protocol="simulate", ids=None, limit=None):
     """A record with per-document 0/1 ``acc`` outcomes in its outputs file."""
     ids = ids or list(range(len(outcomes)))
     results.write_jsonl(
@@ -188,7 +188,7 @@ def paired_record(folder, name, task, policy, budget, outcomes, protocol="simula
         [{"id": i, "scores": {"acc": float(o)}} for i, o in zip(ids, outcomes, strict=True)],
     )
     record = fake_record(task, policy, budget, sum(outcomes) / len(outcomes), protocol=protocol)
-    results.write_record(folder / f"{name}.json", {**record, "limit": None, "outputs": f"{name}.outputs.jsonl"})
+    results.write_record(folder / f"{name}.json", {**record, "limit": limit, "outputs": f"{name}.outputs.jsonl"})
 
 
 @pytest.fixture
@@ -226,6 +226,20 @@ def test_paired_rows_compare_each_run_with_the_full_cache_document_by_document(p
     mean = compared["mean of 2 tasks", "local"]
     assert mean["paired"].difference == pytest.approx((local.difference + piqa_local.difference) / 2)
     assert mean["paired"].low < mean["paired"].difference < mean["paired"].high
+
+
+def test_no_mean_over_tasks_when_a_task_was_scored_on_two_limits(paired_dir, capsys):
+    """PIQA rerun on more documents beside its first run: a mean over tasks would count PIQA twice."""
+    paired_record(paired_dir, "piqa40-full", "piqa", "full", 1.0, [1] * 40, limit=40)
+    paired_record(paired_dir, "piqa40-local", "piqa", "local", 0.2, [0] * 40, limit=40)
+    rows = plot.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"], r["limit"]) for r in plot.paired_rows(rows, paired_dir)}
+    assert ("piqa", "local", 40) in compared and ("piqa", "local", None) in compared
+    assert ("mean of 2 tasks", "h2o", None) in compared  # h2o's tasks are each scored once
+    assert not any(task.startswith("mean") and policy == "local" for task, policy, _ in compared)
+    assert "no mean over tasks for tiny-llama local simulate at 20%: piqa scored on several limits" in (
+        capsys.readouterr().err
+    )
 
 
 def test_against_a_policy_pairs_the_same_budget_and_protocol(paired_dir):
