@@ -37,6 +37,7 @@ runs=${2:-results/runs}
 shift $(( $# < 2 ? $# : 2 ))
 stages=${*:-headline protocols budgets long_context summaries gemma piqa500 tables}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
 out=$runs/replication
 sweep() { python -m h2o_eval --multirun data_dir="$data" results_dir="$out" wandb.mode=disabled threads=1 "$@"; }
 
