@@ -195,9 +195,8 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
             row
         )
     for (model, protocol, policy, budget, metric), group in settings.items():
-        tasks = [row["task"] for row in group]
-        if len(set(tasks)) < len(tasks):
-            repeated = sorted({task for task in tasks if tasks.count(task) > 1})
+        repeated = mixed_limits(group)
+        if repeated:
             print(
                 f"note: no mean over tasks for {model} {policy} {protocol} at {budget:.0%}: "
                 f"{', '.join(repeated)} scored on several limits (give each limit's records a results dir of its own)",
