@@ -40,6 +40,7 @@ from h2o_eval.kernels.reference import (
     visible,
 )
 from h2o_eval.policies import UNBOUNDED, Rule
+from h2o_eval.policies.base import Combine, DecodeVote, Heads, Pooling
 
 ROW_BLOCK = 256  # decode-phase rows per block on the CPU: memory grows as rows x slots, never n x N
 
@@ -94,7 +95,7 @@ def prompt_rows(chunk: Chunk, n: int) -> torch.Tensor:
 def share_votes(attention: torch.Tensor, rule: Rule) -> torch.Tensor:
     """Votes [B, Hkv, N] (each KV head's query heads summed) as the rule hands them to the KV heads: as they are,
     or with ``heads="layer"`` the layer's sum, the same for every head."""
-    if rule.heads == "layer":
+    if rule.heads == Heads.LAYER:
         return attention.sum(1, keepdim=True).expand_as(attention)
     return attention
 
@@ -120,11 +121,11 @@ def pool_scores(scores: torch.Tensor, domain: torch.Tensor, rule: Rule) -> torch
     batch, kv_heads, _ = scores.shape
     length = int(domain.sum(-1).max())
     index = torch.where(domain, domain.cumsum(-1) - 1, length)  # rank in the domain; elsewhere a spare column
-    fill = float("-inf") if rule.pooling == "max" else 0.0  # what torch pads with
+    fill = float("-inf") if rule.pooling == Pooling.MAX else 0.0  # what torch pads with
     dense = torch.full((batch, kv_heads, length + 1), fill, dtype=torch.float32, device=scores.device)
     dense = dense.scatter(-1, index, scores.float())[..., :length]
     dense = torch.where(torch.arange(length, device=scores.device) < domain.sum(-1, keepdim=True), dense, fill)
-    pool = torch.nn.functional.max_pool1d if rule.pooling == "max" else torch.nn.functional.avg_pool1d
+    pool = torch.nn.functional.max_pool1d if rule.pooling == Pooling.MAX else torch.nn.functional.avg_pool1d
     pooled = pool(dense.reshape(batch * kv_heads, 1, length), rule.kernel_size, stride=1, padding=rule.kernel_size // 2)
     pooled = pooled.view(batch, kv_heads, length).gather(-1, index.clamp(max=length - 1))
     return torch.where(domain, pooled, scores)
@@ -232,11 +233,11 @@ def attend_chunk_reference(query: torch.Tensor, key: torch.Tensor, value: torch.
         output[:, :, :, row] = torch.matmul(probs, value.float())
         attention = share_votes(probs.sum(2), rule)
         if prompt_weights is not None:
-            weight = torch.where(in_prompt[:, row], prompt_weights[:, row], float(rule.decode_votes <= 1))
+            weight = torch.where(in_prompt[:, row], prompt_weights[:, row], float(rule.decode_votes != DecodeVote.NONE))
         else:
             weight = torch.zeros(batch, device=query.device)
         votes = arrives & (weight > 0).view(-1, 1)
-        if rule.combine == "replace":
+        if rule.combine == Combine.REPLACE:
             scores = torch.where(votes.unsqueeze(-1), attention, scores)
         else:
             scores = scores + attention * (weight.view(-1, 1, 1) * votes.unsqueeze(-1))
@@ -258,7 +259,7 @@ def _reference_compress(held, scores, position, capacity, chunk, now, compressin
     protected = _protected(position, now, chunk.recent, chunk.sinks)
     older = held & (position <= (now - chunk.recent).view(-1, 1, 1)) & compressing.view(-1, 1, 1)
     if rule.pooling is not None:
-        pool = torch.nn.functional.max_pool1d if rule.pooling == "max" else torch.nn.functional.avg_pool1d
+        pool = torch.nn.functional.max_pool1d if rule.pooling == Pooling.MAX else torch.nn.functional.avg_pool1d
         for b, h in zip(*torch.nonzero(older.any(-1), as_tuple=True), strict=True):
             where = torch.nonzero(older[b, h]).flatten()  # slot order is position order on a prompt
             row = scores[b, h, where].view(1, 1, -1)
@@ -308,9 +309,11 @@ def attend_chunk(
     if not bool(decoding.any()):
         return Result(output if output is not None else torch.zeros_like(query), held, scores, capacity, kept)
     rest = replace(chunk, held=held, scores=scores, capacity=capacity, arriving=decoding)
-    if rest.rule.decode_votes == 2 and bool((held.sum(-1) + decoding.sum(-1, keepdim=True) <= capacity).all()):
+    if rest.rule.decode_votes == DecodeVote.NONE and bool(
+        (held.sum(-1) + decoding.sum(-1, keepdim=True) <= capacity).all()
+    ):
         result = _attend_without_eviction(query, key, value, rest)
-    elif triton and rest.rule.heads == "kv":  # the Triton scan runs each KV head alone
+    elif triton and rest.rule.heads == Heads.KV:  # the Triton scan runs each KV head alone
         result = _scan_triton(query, key, value, rest)
     else:
         result = _scan_cpu(query, key, value, rest)
@@ -344,7 +347,7 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
         else:
             output, attention = column_scores_reference(q, k, v, rows, weights, chunk.scaling, output=chunk.output)
         attention = share_votes(attention, rule)
-        if rule.combine == "replace":
+        if rule.combine == Combine.REPLACE:
             scores[..., :last] = torch.where(rows.unsqueeze(1), attention, scores[..., :last])
         else:
             scores[..., :last] += attention
@@ -393,7 +396,7 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
     batch, n = query.shape[0], query.shape[2]
     kv_heads, slots = key.shape[1], key.shape[2]
     state = slots - n
-    sets = 1 if chunk.rule.heads == "layer" else kv_heads
+    sets = 1 if chunk.rule.heads == Heads.LAYER else kv_heads
     layout = [chunk.held, chunk.position, chunk.scores, chunk.capacity]
     if sets == 1 and not all(torch.equal(t, t[:, :1].expand_as(t)) for t in layout):
         raise RuntimeError("heads=layer needs the KV heads of a layer to hold the same tokens with the same scores")
@@ -411,7 +414,7 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
         chunk.capacity[:, :sets].contiguous().cpu().numpy(),
         chunk.recent.cpu().numpy(),
         chunk.sinks.cpu().numpy(),
-        chunk.rule.decode_votes,
+        int(chunk.rule.decode_votes),
         enter,
         leave,
         stuck,
@@ -453,7 +456,7 @@ def _scan_triton(query, key, value, chunk: Chunk) -> Result:
         chunk.capacity,
         chunk.recent,
         chunk.sinks,
-        chunk.rule.decode_votes,
+        int(chunk.rule.decode_votes),
         chunk.scaling,
     )
     return Result(output, held, scores, chunk.capacity)
@@ -512,8 +515,8 @@ def attend_held(
     else:
         output = decode_attention_reference(query[:, :, 0], keys, values, held, attention, scaling)
     attention = share_votes(attention, rule)
-    if rule.decode_votes == 0:
+    if rule.decode_votes == DecodeVote.ADD:
         scores += attention
-    elif rule.decode_votes == 1:
+    elif rule.decode_votes == DecodeVote.REPLACE:
         scores.copy_(torch.where(held, attention, scores))
     return output.unsqueeze(2)

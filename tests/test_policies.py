@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import POLICIES, UNBOUNDED, Plan, Rule, make_policy
+from h2o_eval.policies import POLICIES, UNBOUNDED, Plan, Rule, example_policy, make_policy
 
 
 @pytest.mark.parametrize(
@@ -117,9 +117,47 @@ def test_pyramidkv_capacities_fall_linearly_and_average_to_c(budget, length, lay
     assert all(policy.plan(length, layer, layers).recent == 4 for layer in range(layers))
 
 
-def test_a_rule_refuses_an_unknown_heads_layout():
-    with pytest.raises(ConfigError, match=r"^Rule: heads='query': use one of kv, layer$"):
-        Rule(heads="query")
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("heads", "query", r"^Rule: heads='query': use one of kv, layer$"),
+        ("votes", "windw", r"^Rule: votes='windw': use one of all, window, none$"),
+        ("combine", "mean", r"^Rule: combine='mean': use one of add, replace$"),
+        ("pooling", "min", r"^Rule: pooling='min': use one of max, avg$"),
+        ("window", -1, r"^Rule: window=-1: use an integer >= 0$"),
+        ("safeguard", 2.0, r"^Rule: safeguard=2.0: use a number in \[0, 1\]$"),
+    ],
+)
+def test_a_rule_refuses_values_outside_its_enums_and_ranges(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        Rule(**{field: value})
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_registered_policy_validates_its_budget_and_parameters(name):
+    """Generic: every registered policy (with its example parameters) refuses a bad budget and an unknown
+    parameter in one line, and describes itself as built: every dataclass field, a wrapped base described the
+    same way, as plain JSON."""
+    import dataclasses
+    import json
+
+    for budget in (0, -0.5, 1.5, True):
+        if name != "full":
+            with pytest.raises(ConfigError, match=r"^budget=.*: use a fraction in \(0, 1\]"):
+                example_policy(name, budget)
+    with pytest.raises(ConfigError, match=r"takes no bogus: its parameters are"):
+        make_policy(name, 0.5, **POLICIES[name].example, bogus=1)
+
+    def fields_of(policy):
+        described = {"name": policy.name}
+        for field in dataclasses.fields(policy):
+            value = getattr(policy, field.name)
+            described[field.name] = fields_of(value) if dataclasses.is_dataclass(value) else value
+        return described
+
+    policy = example_policy(name, 0.5)
+    assert policy.describe() == fields_of(policy)
+    assert json.loads(json.dumps(policy.describe())) == policy.describe()
 
 
 def test_policies_state_their_rules_as_data():
@@ -163,10 +201,11 @@ def test_key_norm_scores_are_the_negative_l2_norms():
         ("snapkv", {"pooling": "min"}, r"pooling='min': use one of max, avg"),
         ("pyramidkv", {"beta": 0.5}, r"beta=0.5: use a number >= 1"),
         ("adakv", {"alpha": 2}, r"alpha=2: use a number in \[0, 1\]$"),
-        ("adakv", {"base": "local"}, r"base='local': use one of snapkv, pyramidkv, knorm"),
-        ("adakv", {"base": "nope"}, r"base='nope': use one of snapkv"),
+        ("adakv", {"base": "local"}, r"base='local' ranks no tokens by score .*: use a scoring policy such as snapkv"),
+        ("adakv", {"base": "h2o_reference"}, r"base='h2o_reference' computes its own attention and holds no cache"),
+        ("adakv", {"base": "nope"}, r"base='nope': use one of h2o, heavy, random, snapkv, pyramidkv, knorm$"),
         ("adakv", {"sinks": 2}, r"policy 'snapkv' takes no sinks"),
-        ("tova", {"heads": "query"}, r"^tova: heads='query': use one of layer, kv$"),
+        ("tova", {"heads": "query"}, r"^tova: heads='query': use one of kv, layer$"),
         ("adakv", {"base": "tova"}, r"base='tova' with heads=layer keeps one token set per layer.*add heads=kv"),
     ],
 )

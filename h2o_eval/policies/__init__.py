@@ -7,6 +7,7 @@ One file per policy: a frozen dataclass whose fields are its hyper-parameters, w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
@@ -48,6 +49,8 @@ __all__ = [
     "Rule",
     "check_kernels",
     "check_protocol",
+    "configured_policy",
+    "example_policy",
     "make_policy",
 ]
 
@@ -69,7 +72,8 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
         own = {key: params.pop(key) for key in ("alpha",) if key in params}
         base = params.pop("base", "snapkv")
         if base not in POLICIES or base == name:
-            raise ConfigError(f"adakv: base={base!r}: use one of {', '.join(adakv_bases())}")
+            valid = [n for n in POLICIES if n != name and AdaKV.refusal(example_policy(n)) is None]
+            raise ConfigError(f"adakv: base={base!r}: use one of {', '.join(valid)}")
         return AdaKV(budget=budget, base=make_policy(base, budget, **params), **own)
     allowed = _parameters(cls)
     if unknown := set(params) - allowed:
@@ -82,7 +86,13 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
     return cls(budget=budget, **params)
 
 
-def adakv_bases() -> tuple[str, ...]:
-    from h2o_eval.policies.adakv import BASES
+def configured_policy(config: Mapping[str, Any]) -> Policy:
+    """The policy a run's config names: its ``policy`` group (the name and the policy's own parameters) at its
+    ``budget``."""
+    params = {key: value for key, value in config["policy"].items() if key != "name"}
+    return make_policy(config["policy"]["name"], budget=config["budget"], **params)
 
-    return BASES
+
+def example_policy(name: str, budget: float | int = 0.5) -> Policy:
+    """The registered policy ``name`` with its example parameters (what the generic test suites run)."""
+    return make_policy(name, budget, **POLICIES[name].example)

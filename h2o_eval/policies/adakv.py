@@ -2,15 +2,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies.base import Plan, Policy, Rule, check_number
-
-# Scoring policies Ada-KV can share a layer's slots for: those whose scores rank unprotected tokens.
-BASES = ("snapkv", "pyramidkv", "knorm", "h2o", "heavy", "tova")
+from h2o_eval.policies.base import Heads, Plan, Policy, Rule, check_number
 
 
 @dataclass(frozen=True)
@@ -20,7 +17,8 @@ class AdaKV(Policy):
     When the prompt is compressed, each layer's Hkv * C slots go to the best scores of all its KV heads
     together; each head is guaranteed its protected tokens and its floor(alpha * C) best (the safeguard), as
     kvpress's AdaKVPress does. Heads then hold different numbers of tokens. Everything else (scores, layout,
-    what happens after the prompt) is the ``base`` policy's. Prefill and context protocols only.
+    what happens after the prompt) is the ``base`` policy's, which may be any policy whose scores rank tokens
+    per KV head (:meth:`refusal`). Prefill and context protocols only.
 
     Args:
         base: the scoring policy (a :class:`Policy`; ``make_policy("adakv", base="snapkv", window=16)`` builds
@@ -32,22 +30,35 @@ class AdaKV(Policy):
     alpha: float = 0.2
     name: ClassVar[str] = "adakv"
     protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
+    example: ClassVar[dict[str, Any]] = {"window": 4}
 
     def __post_init__(self) -> None:
         if self.base is None:
             from h2o_eval.policies.snapkv import SnapKV
 
             object.__setattr__(self, "base", SnapKV(budget=self.budget))
-        if self.base.name not in BASES:
-            raise ConfigError(f"adakv: base={self.base.name!r}: use one of {', '.join(BASES)}")
-        if self.base.rule.heads == "layer":
-            raise ConfigError(
-                f"adakv: base={self.base.name!r} with heads=layer keeps one token set per layer, which per-head "
-                "shares cannot change: add heads=kv (+policy.heads=kv on the command line)"
-            )
+        if (reason := self.refusal(self.base)) is not None:
+            raise ConfigError(f"adakv: base={self.base.name!r} {reason}")
         object.__setattr__(self, "budget", self.base.budget)
         super().__post_init__()
         check_number(self.name, "alpha", self.alpha, low=0, high=1)
+
+    @staticmethod
+    def refusal(base: Policy) -> str | None:
+        """Why ``base`` cannot share its layer's slots by score (None: it can). It needs scores that rank the
+        unprotected tokens of each KV head, and a cache."""
+        if not base.has_cache:
+            return "computes its own attention and holds no cache: use a scoring policy such as snapkv"
+        if not base.ranks_tokens:
+            return "ranks no tokens by score (recency alone decides): use a scoring policy such as snapkv"
+        if base.rule.heads == Heads.LAYER:
+            return (
+                "with heads=layer keeps one token set per layer, which per-head shares cannot change: add heads=kv "
+                "(+policy.heads=kv on the command line)"
+            )
+        if isinstance(base, AdaKV):
+            return "already shares its layer's slots: use its base"
+        return None
 
     @property
     def rule(self) -> Rule:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, fields
+from enum import Enum, IntEnum
 from typing import Any, ClassVar
 
 import torch
@@ -40,60 +41,111 @@ class Plan:
     sinks: int = 0
 
 
+class Votes(str, Enum):
+    """Which query rows' attention feeds the scores."""
+
+    ALL = "all"  # every row, the prompt's and every later token's
+    WINDOW = "window"  # the prompt's last ``window`` rows
+    NONE = "none"  # no row: scores come from :meth:`Policy.key_scores`, or recency alone decides
+
+
+class Combine(str, Enum):
+    """How a vote meets the score it finds."""
+
+    ADD = "add"  # votes accumulate (H2O)
+    REPLACE = "replace"  # the latest vote is the score (TOVA)
+
+
+class Pooling(str, Enum):
+    """How a compressed prompt's scores are pooled along positions (as torch's max_pool1d / avg_pool1d)."""
+
+    MAX = "max"
+    AVG = "avg"
+
+
+class Heads(str, Enum):
+    """Whose votes a KV head counts."""
+
+    KV = "kv"  # its own query heads': each KV head keeps its own tokens
+    LAYER = "layer"  # every query head of the layer: the layer's KV heads keep one set of tokens
+
+
+class DecodeVote(IntEnum):
+    """What an arriving token past the prompt does to the scores (the code every kernel reads)."""
+
+    ADD = 0  # adds its attention
+    REPLACE = 1  # replaces the scores with its attention
+    NONE = 2  # nothing (window votes belong to the prompt; no votes at all)
+
+
+def _member(owner: str, name: str, kind: type[Enum], value: Any) -> Any:
+    """``value`` as a member of ``kind``, or a one-line refusal naming the valid values."""
+    try:
+        return kind(value)
+    except ValueError:
+        valid = ", ".join(member.value for member in kind)
+        raise ConfigError(f"{owner}: {name}={value!r}: use one of {valid}") from None
+
+
 @dataclass(frozen=True)
 class Rule:
     """How scores are made and used: the data every implementation of the mechanism reads.
 
     Args:
         votes: which query rows' attention (summed over the KV head's query heads, see ``heads``) feeds the
-            scores: ``"all"`` rows, the last ``window`` rows of a prompt (``"window"``), or ``"none"`` (scores
-            come from :meth:`Policy.key_scores`, or recency alone decides).
-        combine: ``"add"``: votes accumulate (H2O); ``"replace"``: the latest vote is the score (TOVA).
+            scores (:class:`Votes`: all rows, the prompt's last ``window`` rows, or none).
+        combine: :class:`Combine`: votes add up (H2O) or the latest replaces the score (TOVA).
         window: the voting rows of ``votes="window"``.
-        pooling: ``None``, ``"max"`` or ``"avg"``: when a prompt is compressed, the scores of the tokens older
-            than the protected recent window are pooled along positions like torch's ``max_pool1d`` /
-            ``avg_pool1d`` (stride 1, padding ``kernel_size // 2``).
+        pooling: ``None`` or a :class:`Pooling`: when a prompt is compressed, the scores of the tokens older than
+            the protected recent window are pooled along positions like torch's ``max_pool1d`` / ``avg_pool1d``
+            (stride 1, padding ``kernel_size // 2``).
         kernel_size: the pooling window (odd).
         grows: after the prompt is compressed every later token is kept (the SnapKV family, as their papers
             run them); otherwise each arriving token evicts one once the cache holds C.
         safeguard: ``None``: each KV head keeps its own C. A share in [0, 1]: when a prompt is compressed, the
             layer's Hkv * C slots go to the best scores of all its KV heads together, each head guaranteed its
             protected tokens and its floor(safeguard * C) best (Ada-KV); heads then hold different numbers.
-        heads: ``"kv"``: each KV head's votes are its own query heads' attention, so each head keeps its own
-            tokens. ``"layer"``: every KV head gets the votes of all the layer's query heads summed, so the heads
-            of a layer, starting alike (an empty cache, one capacity), keep one set of tokens (TOVA as its
-            authors run it).
+        heads: :class:`Heads`: each KV head counts its own query heads' votes and keeps its own tokens, or every
+            KV head gets the votes of all the layer's query heads summed, so the heads of a layer, starting alike
+            (an empty cache, one capacity), keep one set of tokens (TOVA as its authors run it).
+
+    String values are accepted and checked (``Rule(votes="windw")`` is refused in one line).
     """
 
-    votes: str = "none"
-    combine: str = "add"
+    votes: Votes = Votes.NONE
+    combine: Combine = Combine.ADD
     window: int = 0
-    pooling: str | None = None
+    pooling: Pooling | None = None
     kernel_size: int = 1
     grows: bool = False
     safeguard: float | None = None
-    heads: str = "kv"
+    heads: Heads = Heads.KV
 
     def __post_init__(self) -> None:
-        if self.heads not in ("kv", "layer"):
-            raise ConfigError(f"Rule: heads={self.heads!r}: use one of kv, layer")
+        for name, kind in (("votes", Votes), ("combine", Combine), ("heads", Heads), ("pooling", Pooling)):
+            value = getattr(self, name)
+            if value is not None or name != "pooling":
+                object.__setattr__(self, name, _member("Rule", name, kind, value))
+        check_number("Rule", "window", self.window, integer=True, low=0)
+        check_number("Rule", "kernel_size", self.kernel_size, integer=True, low=1)
+        if self.safeguard is not None:
+            check_number("Rule", "safeguard", self.safeguard, low=0, high=1)
 
     @property
-    def decode_votes(self) -> int:
-        """What an arriving token past the prompt does to the scores: 0 adds its attention, 1 replaces them
-        with it, 2 nothing (window votes belong to the prompt)."""
-        if self.votes != "all":
-            return 2
-        return 0 if self.combine == "add" else 1
+    def decode_votes(self) -> DecodeVote:
+        """What an arriving token past the prompt does to the scores."""
+        if self.votes != Votes.ALL:
+            return DecodeVote.NONE
+        return DecodeVote.ADD if self.combine == Combine.ADD else DecodeVote.REPLACE
 
     def prompt_weights(self, prompt_rows: torch.Tensor) -> torch.Tensor | None:
         """[B, n] float: how much each prompt row's attention counts in the scores at compression (``prompt_rows``
         [B, n] bool marks the real rows of each sequence's prompt); None when no row votes."""
-        if self.votes == "none":
+        if self.votes == Votes.NONE:
             return None
         from_end = prompt_rows.flip(-1).cumsum(-1).flip(-1)  # 1 on a prompt's last real row, 2 before it, ...
-        voters = self.window if self.votes == "window" else prompt_rows.shape[-1]
-        if self.combine == "replace":
+        voters = self.window if self.votes == Votes.WINDOW else prompt_rows.shape[-1]
+        if self.combine == Combine.REPLACE:
             voters = 1
         return (prompt_rows & (from_end <= voters)).float()
 
@@ -125,6 +177,9 @@ class Policy:
     name: ClassVar[str]
     # The protocols the policy exists in (see README): simulate, prefill, context.
     protocols: ClassVar[tuple[str, ...]] = PROTOCOLS
+    # Parameters (besides the budget) under which the generic test suites run the policy on tiny models and short
+    # sequences; every registered policy takes part in every suite its protocols allow.
+    example: ClassVar[dict[str, Any]] = {}
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -161,13 +216,24 @@ class Policy:
         return None
 
     @property
+    def ranks_tokens(self) -> bool:
+        """Whether scores rank the unprotected tokens (attention votes, or key scores): what a policy that hands
+        out slots by score (Ada-KV) needs of its base."""
+        return self.rule.votes != Votes.NONE or type(self).key_scores is not Policy.key_scores
+
+    @property
     def has_cache(self) -> bool:
         """Whether the policy runs as a cache (and so can generate): not if it computes its own attention."""
         return type(self).attention is Policy.attention
 
-    @property
-    def params(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+    def describe(self) -> dict[str, Any]:
+        """The policy as built: its name and every field, a wrapped base policy described the same way. A record's
+        identity covers it, so a changed default is a new setting, never a reused record."""
+        described: dict[str, Any] = {"name": self.name}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            described[field.name] = value.describe() if isinstance(value, Policy) else value
+        return described
 
 
 def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:

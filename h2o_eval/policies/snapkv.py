@@ -1,12 +1,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies.base import Plan, Policy, Rule, check_number
-
-POOLINGS = ("max", "avg")
+from h2o_eval.policies.base import Plan, Policy, Pooling, Rule, check_number
 
 
 @dataclass(frozen=True)
@@ -34,6 +32,7 @@ class SnapKV(Policy):
     pooling: str = "max"
     name: ClassVar[str] = "snapkv"
     protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
+    example: ClassVar[dict[str, Any]] = {"window": 4}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -41,8 +40,9 @@ class SnapKV(Policy):
         check_number(self.name, "kernel_size", self.kernel_size, integer=True, low=1)
         if self.kernel_size % 2 == 0:
             raise ConfigError(f"{self.name}: kernel_size={self.kernel_size}: use an odd size such as 7")
-        if self.pooling not in POOLINGS:
-            raise ConfigError(f"{self.name}: pooling={self.pooling!r}: use one of {', '.join(POOLINGS)}")
+        if self.pooling not in tuple(Pooling):
+            valid = ", ".join(p.value for p in Pooling)
+            raise ConfigError(f"{self.name}: pooling={self.pooling!r}: use one of {valid}")
 
     @property
     def rule(self) -> Rule:

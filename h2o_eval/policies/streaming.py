@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies.base import Plan, Policy, check_number
@@ -18,6 +18,7 @@ class Streaming(Policy):
 
     sinks: int = 4
     name: ClassVar[str] = "streaming"
+    example: ClassVar[dict[str, Any]] = {"sinks": 2}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -4,9 +4,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies.base import Plan, Policy, Rule
-
-HEADS = ("layer", "kv")
+from h2o_eval.policies.base import Heads, Plan, Policy, Rule
 
 
 @dataclass(frozen=True)
@@ -30,8 +28,8 @@ class TOVA(Policy):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.heads not in HEADS:
-            raise ConfigError(f"{self.name}: heads={self.heads!r}: use one of {', '.join(HEADS)}")
+        if self.heads not in tuple(Heads):
+            raise ConfigError(f"{self.name}: heads={self.heads!r}: use one of {', '.join(h.value for h in Heads)}")
 
     @property
     def rule(self) -> Rule:
