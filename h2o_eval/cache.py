@@ -1,30 +1,45 @@
-"""The ``decode`` protocol: :class:`EvictionCache`, a transformers ``Cache`` that physically holds at most C
-entries per (sequence, layer, KV head), evicting through the same mechanism as :func:`h2o_eval.patch`."""
+"""The eviction state: :class:`EvictionCache`, a transformers ``Cache`` that physically holds at most C entries per
+(sequence, layer, KV head), and what is read off it (:class:`CapacityLog`).
+
+Every protocol runs through it. Its first chunk may begin with a **prompt** (the ``prefill`` and ``context``
+protocols: those rows attend in full, vote, and are compressed to C); every later row, in the first chunk or in
+any later one, arrives under the policy's decoding rule (:mod:`h2o_eval.eviction`). ``generate()`` and
+step-by-step forwards keep one cache across calls; :func:`h2o_eval.backend.patch` gives each whole-sequence forward
+a fresh one. Each layer's attention call reaches its :class:`EvictionLayer` through the hook of
+:mod:`h2o_eval.attention` (the cache hands the layer over as the attention function's ``eviction`` argument).
+"""
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from h2o_eval.backend import (
-    BACKEND,
+from h2o_eval.attention import (
     check_kv_heads,
     check_supported,
     check_window,
-    kernel_function,
+    install,
     key_validity,
     kv_head_count,
     layer_windows,
     plain_attention,
-    plan_tensors,
-    routing,
-    starting_scores,
 )
 from h2o_eval.errors import ConfigError
-from h2o_eval.eviction import Chunk, attend_held, claim_slot
+from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, attend_chunk_triton, attend_held, claim_slot
 from h2o_eval.policies import UNBOUNDED, Policy, check_kernels, check_protocol
+
+# auto: Triton on CUDA tensors, the numba-compiled scan elsewhere; torch: the plain reference loop; triton: forced.
+KERNEL_FUNCTIONS = {"auto": attend_chunk, "torch": attend_chunk_reference, "triton": attend_chunk_triton}
+
+
+def kernel_function(kernels: str, device: torch.device):
+    """The implementation of the mechanism ``kernels`` names, for tensors on ``device``."""
+    if kernels == "auto" and device.type == "cuda":
+        return attend_chunk_triton
+    return KERNEL_FUNCTIONS[kernels]
 
 
 def _decode_triton(kernels: str, model: torch.nn.Module) -> bool:
@@ -34,12 +49,31 @@ def _decode_triton(kernels: str, model: torch.nn.Module) -> bool:
     return kernels == "triton" or (kernels == "auto" and device.type == "cuda")
 
 
+def plan_tensors(
+    policy: Policy, lengths: list[int], layer: int, num_layers: int, kv_heads: int, device
+) -> dict[str, torch.Tensor]:
+    """One layer's plan for sequences whose budgets apply to ``lengths``: capacity [B, Hkv], recent and sinks [B]."""
+    plans = [policy.plan(max(length, 1), layer, num_layers) for length in lengths]
+    capacity = torch.tensor([p.capacity for p in plans], dtype=torch.int64, device=device)
+    return {
+        "capacity": capacity.view(-1, 1).expand(-1, kv_heads).contiguous(),
+        "recent": torch.tensor([p.recent for p in plans], dtype=torch.int64, device=device),
+        "sinks": torch.tensor([p.sinks for p in plans], dtype=torch.int64, device=device),
+    }
+
+
+def starting_scores(policy: Policy, key: torch.Tensor, position: torch.Tensor, layer: int) -> torch.Tensor:
+    """Arriving tokens' scores [B, Hkv, n]: the policy's ``key_scores``, or 0."""
+    scores = policy.key_scores(key, position, layer)
+    return torch.zeros(position.shape, dtype=torch.float32, device=position.device) if scores is None else scores
+
+
 class EvictionLayer(CacheLayerMixin):
     """One layer's bounded cache: keys/values [B, Hkv, S, D] with each slot's held flag, position and score, and
     the layer's capacity per (sequence, KV head). Heads may hold different numbers of tokens (Ada-KV); a slot
     that is not held is free and the next arriving token takes it. A sliding layer of a model that also has
     global layers (``window``) holds its last ``window`` - 1 tokens between forwards, as transformers' own
-    sliding cache does, and the policy does not touch it (see ``h2o_eval.backend.layer_windows``).
+    sliding cache does, and the policy does not touch it (see ``h2o_eval.attention.layer_windows``).
 
     ``is_sliding`` stays False even there: transformers then builds masks over every position seen, so the last
     columns of any layer's mask are the slots it holds."""
@@ -61,6 +95,7 @@ class EvictionLayer(CacheLayerMixin):
         self.slot: torch.Tensor | None = None  # [B, Hkv] slot the single arriving token took (decode steps)
         self.plan: dict[str, torch.Tensor] | None = None
         self.moved = False  # whether slots stopped being the model's own positions (an eviction or compaction)
+        self.kept: torch.Tensor | None = None  # [B, Hkv] tokens held right after the prompt was compressed
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, kv_heads, _, _ = key_states.shape
@@ -73,13 +108,9 @@ class EvictionLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.pending is not None:
-            raise RuntimeError(
-                f"layer {self.layer_idx} did not run through the h2o_eval attention backend: refusing to evict blind"
-            )
+        self.check_attended()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        routing.pending = self
         if (
             self.window is None
             and key_states.shape[2] == 1
@@ -96,6 +127,14 @@ class EvictionLayer(CacheLayerMixin):
         values = torch.cat([self.values, value_states], dim=-2)
         self.pending = (keys, values)
         return keys, values
+
+    def check_attended(self) -> None:
+        """Refuse to go on when the keys this layer handed out never reached the backend's attention."""
+        if self.pending is not None:
+            raise RuntimeError(
+                f"layers [{self.layer_idx}] did not run through the h2o_eval attention backend: this model cannot "
+                "be evaluated with eviction (refusing to report unpatched numbers)"
+            )
 
     def _claim(self, key_states: torch.Tensor) -> torch.Tensor | None:
         plan = self.plan
@@ -116,7 +155,7 @@ class EvictionLayer(CacheLayerMixin):
         """This layer's attention for the chunk ``update`` just took, and the cache state after it. Without
         ``output`` (a :class:`SharedPrompt` pass, which computes the prompt's attention once) only the state is
         computed, and None returned."""
-        self.pending, routing.pending = None, None
+        self.pending = None
         owner = self.owner
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
         check_kv_heads(module, query, key, owner.kv_heads)
@@ -137,13 +176,13 @@ class EvictionLayer(CacheLayerMixin):
         first = self.seen == 0
         if first:
             self.plan = owner.layer_plan(self.layer_idx, arriving, kv_heads)
+            if (own := owner.policy.attention(query, key, value, arriving, scaling)) is not None:
+                self._keep_all(key, value, arriving)
+                return own
         new_position = (self.real_seen.unsqueeze(-1) + arriving.cumsum(-1) - 1).clamp(min=0)
         new_position = new_position.unsqueeze(1).expand(batch, kv_heads, n)
-        entered = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
-        if not self.moved and bool((self.plan["capacity"] >= UNBOUNDED).all()):  # nothing will ever be evicted
-            self.keys, self.values, self.held = key, value, entered
-            self.position = torch.cat([self.position, new_position], dim=-1)
-            self._advance(arriving)
+        if not self.moved and self._evicts_nothing(first, arriving):
+            self._keep_all(key, value, arriving, new_position)
             return plain_attention(module, query, key, value, attention_mask, scaling) if output else None
         position = torch.cat([self.position, new_position], dim=-1).contiguous()
         fresh = starting_scores(owner.policy, key[:, :, -n:], new_position, self.layer_idx)
@@ -155,7 +194,7 @@ class EvictionLayer(CacheLayerMixin):
             capacity=self.plan["capacity"],
             recent=self.plan["recent"],
             sinks=self.plan["sinks"],
-            prefill=torch.full((batch,), n if first and owner.protocol != "simulate" else 0, device=key.device),
+            prefill=owner.prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device),
             rule=owner.policy.rule,
             scaling=scaling,
             output=output,
@@ -163,7 +202,8 @@ class EvictionLayer(CacheLayerMixin):
         result = owner.kernel(query, key, value, chunk)
         self.plan["capacity"] = result.capacity
         if result.kept is not None:
-            owner.record_prompt(self.layer_idx, result.kept)
+            self.kept = result.kept
+        entered = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
         held, scores = result.held, result.scores
         if torch.equal(held, entered):  # nothing left: the slots stay as they are
             self.keys, self.values = key, value
@@ -177,6 +217,28 @@ class EvictionLayer(CacheLayerMixin):
         self.held, self.position, self.scores = held, position, scores
         self._advance(arriving)
         return result.output
+
+    def _evicts_nothing(self, first: bool, arriving: torch.Tensor) -> bool:
+        """Whether this chunk is plain attention: nothing is ever evicted (an unbounded capacity), or, for a cache
+        that sees one chunk only (:func:`h2o_eval.backend.patch`), C covers what could overflow it (the prompt for
+        a policy that grows after it, else every token)."""
+        capacity = self.plan["capacity"]
+        if bool((capacity >= UNBOUNDED).all()):
+            return True
+        owner = self.owner
+        if not (first and owner.one_forward):
+            return False
+        limit = torch.tensor(owner.lengths, device=capacity.device) if owner.policy.rule.grows else arriving.sum(-1)
+        return bool((capacity >= limit.view(-1, 1)).all())
+
+    def _keep_all(self, key, value, arriving, new_position=None) -> None:
+        """Hold every arriving token (a chunk that evicts nothing), with no scores."""
+        batch, kv_heads, n = key.shape[0], key.shape[1], arriving.shape[1]
+        self.keys, self.values = key, value
+        self.held = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
+        if new_position is not None:
+            self.position = torch.cat([self.position, new_position], dim=-1)
+        self._advance(arriving)
 
     def _attend_window(self, module, query, key, value, attention_mask, scaling, arriving, output=True):
         """The model's own sliding-window attention over the slots held (the mask's last columns), then keep the
@@ -196,6 +258,16 @@ class EvictionLayer(CacheLayerMixin):
         self.real_seen = self.real_seen + arriving.sum(-1)
         self.owner.peak_entries = max(self.owner.peak_entries, int(self.held.sum(-1).max()))
 
+    def realised(self, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv] the capacity this layer realised per sequence and KV head, at most the length the budget
+        applied to: the tokens kept when the prompt was compressed (or the plan's C); a sliding layer that keeps
+        its own window counts as min(length, window)."""
+        if self.window is not None:
+            return lengths.clamp(max=self.window).float().view(-1, 1).expand(-1, self.held.shape[1])
+        planned = self.plan["capacity"].clamp(max=UNBOUNDED - 1)
+        kept = planned if self.kept is None else torch.minimum(self.kept, planned)
+        return torch.minimum(kept, lengths.clamp(min=1).view(-1, 1)).float()
+
     def get_seq_length(self) -> int:
         return self.seen
 
@@ -207,7 +279,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.is_initialized = False
-        self.seen, self.pending, self.slot, self.plan, self.moved = 0, None, None, None, False
+        self.seen, self.pending, self.slot, self.plan, self.moved, self.kept = 0, None, None, None, False, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("EvictionCache does not support beam search")
@@ -217,12 +289,14 @@ class EvictionCache(Cache):
     """A transformers ``Cache`` that holds at most C entries per (sequence, layer, KV head).
 
     ``protocol="simulate"``: the first chunk is fed under per-step eviction from an empty cache;
-    ``protocol="prefill"`` or ``"context"``: the first chunk (the prompt, or the context before the question)
-    attends in full and is then compressed to the budget. Every later chunk (one token per step when generating)
-    arrives under the policy's decoding rule: one eviction per arriving token once the cache is full, or none
-    for policies that grow after their prompt. A fraction budget applies to ``length`` (int or one per
-    sequence) or, if None, to the first chunk's length. Creating the cache routes the model's attention through
-    the h2o_eval backend; forwards without an EvictionCache and outside :func:`patch` keep plain SDPA attention.
+    ``protocol="prefill"`` or ``"context"``: the first ``prompt`` real tokens of each sequence's first chunk (all
+    of them by default: the prompt, or the context before the question) attend in full and are then compressed to
+    the budget. Every later token arrives under the policy's decoding rule: one eviction per arriving token once
+    the cache is full, or none for policies that grow after their prompt. A fraction budget applies to ``length``
+    (int or one per sequence) or, if None, to the first chunk's real length. ``one_forward``: the cache serves one
+    whole-sequence forward and nothing after it (``patch``), so a chunk that can evict nothing is plain attention
+    and a policy that computes its own attention (the authors' H2O simulation) may run. Creating the cache routes
+    the model's attention through the h2o_eval backend; forwards without an EvictionCache keep plain SDPA.
     """
 
     def __init__(
@@ -232,16 +306,19 @@ class EvictionCache(Cache):
         *,
         protocol: str = "simulate",
         length: int | list[int] | None = None,
+        prompt: list[int] | None = None,
         kernels: str = "auto",
+        one_forward: bool = False,
     ) -> None:
         check_supported(model)
         check_protocol(policy, protocol, kernels)
-        if not policy.has_cache:
+        if not policy.has_cache and not (one_forward and protocol == "simulate"):
             raise ConfigError(
                 f"policy {policy.name!r} exists only as a simulation of scoring, with no cache: use patch(..., "
                 "'simulate')"
             )
-        self.policy, self.protocol, self.length = policy, protocol, length
+        self.policy, self.protocol, self.length, self.prompt = policy, protocol, length, prompt
+        self.one_forward = one_forward
         self.kernel = kernel_function(kernels, next(model.parameters()).device)
         self.triton = _decode_triton(kernels, model)
         self.peak_entries = 0
@@ -249,9 +326,17 @@ class EvictionCache(Cache):
         self.num_layers = len(windows)
         self.kv_heads = kv_head_count(model)
         self.lengths: list[int] | None = None
-        self.prompt_held: dict[int, torch.Tensor] = {}  # layer -> [B, Hkv] tokens kept when the prompt compressed
         super().__init__(layers=[EvictionLayer(self, i, window) for i, window in enumerate(windows)])
-        model.set_attn_implementation(BACKEND)
+        install(model)
+
+    def eviction_layer(self, layer: int) -> EvictionLayer:
+        """The layer an attention call of ``layer`` attends through (see :mod:`h2o_eval.attention`)."""
+        return self.layers[layer]
+
+    def check_attended(self) -> None:
+        """After a forward: every layer that took keys attended through the backend."""
+        for layer in self.layers:
+            layer.check_attended()
 
     def layer_plan(self, layer: int, arriving: torch.Tensor, kv_heads: int) -> dict[str, torch.Tensor]:
         """The layer's capacity per (sequence, KV head), recent window and sinks, fixed on the first chunk."""
@@ -259,7 +344,11 @@ class EvictionCache(Cache):
             batch = arriving.shape[0]
             if self.length is not None:
                 self.lengths = [self.length] * batch if isinstance(self.length, int) else list(self.length)
-            elif arriving.shape[1] == 1 and self.policy.capacity(1) != self.policy.capacity(1 << 20):
+            elif (
+                arriving.shape[1] == 1
+                and not self.one_forward
+                and self.policy.capacity(1) != self.policy.capacity(1 << 20)
+            ):
                 raise ConfigError(
                     "a fraction budget needs a length: give EvictionCache(..., length=N) or a token budget"
                 )
@@ -267,29 +356,81 @@ class EvictionCache(Cache):
                 self.lengths = arriving.sum(-1).tolist()
         return plan_tensors(self.policy, self.lengths, layer, self.num_layers, kv_heads, arriving.device)
 
-    def record_prompt(self, layer: int, held: torch.Tensor) -> None:
-        self.prompt_held[layer] = held
+    def prompt_rows(self, arriving: torch.Tensor) -> torch.Tensor:
+        """[B] the first chunk's rows that are prompt rows (left padding included): none under ``simulate``, the
+        first ``prompt`` real tokens when given, else the whole chunk."""
+        batch, n = arriving.shape
+        if self.protocol == "simulate":
+            return torch.zeros(batch, dtype=torch.int64, device=arriving.device)
+        if self.prompt is None:
+            return torch.full((batch,), n, dtype=torch.int64, device=arriving.device)
+        pads_before = (arriving.cumsum(-1) == 0).sum(-1)
+        return pads_before + torch.tensor(self.prompt, device=arriving.device)
+
+    def realised(self) -> list[torch.Tensor]:
+        """Per layer, [B, Hkv] the capacity realised per sequence and KV head (see :meth:`EvictionLayer.realised`)."""
+        lengths = torch.tensor(self.lengths)
+        return [
+            layer.realised(lengths.to(layer.held.device))
+            for layer in self.layers
+            if layer.window is not None or layer.plan is not None
+        ]
 
     def capacity(self) -> torch.Tensor:
-        """[B] realised C per sequence: tokens kept after the prompt (or the plan's C), mean over layers and KV
-        heads, at most the length the budget applies to; a sliding layer that keeps its own window counts as
-        min(length, window)."""
-        per_layer = []
-        for layer in self.layers:
-            if layer.window is not None and self.lengths is not None:
-                per_layer.append(torch.tensor(self.lengths, device=layer.keys.device).clamp(max=layer.window).float())
-                continue
-            if layer.plan is None:
-                continue
-            planned = layer.plan["capacity"].clamp(max=UNBOUNDED - 1)
-            kept = self.prompt_held.get(layer.layer_idx, planned)
-            lengths = torch.tensor(self.lengths, device=kept.device).view(-1, 1)
-            per_layer.append(torch.minimum(torch.minimum(kept, planned), lengths).float().mean(-1))
-        return torch.stack(per_layer).mean(0)
+        """[B] realised C per sequence: mean over layers and KV heads."""
+        return torch.stack([kept.mean(-1) for kept in self.realised()]).mean(0)
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values the cache holds now."""
         return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.is_initialized)
+
+    def entry_bytes(self) -> int:
+        """Bytes of one token's key and value in one KV head."""
+        keys = next(layer.keys for layer in self.layers if layer.is_initialized)
+        return 2 * keys.shape[-1] * keys.element_size()
+
+
+class CapacityLog:
+    """The realised capacities of every sequence scored in a run, read off its caches the same way whatever the
+    runner: per sequence the length its budget applied to and, per layer, the tokens each KV head kept."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []
+        self.layers: list[list[float]] = []  # per sequence: each layer's C, mean over KV heads
+        self.spreads: list[int] = []  # per (sequence, layer): most minus fewest tokens kept by a KV head
+        self.entries: list[float] = []  # per sequence: KV entries kept, summed over layers and KV heads
+        self.entry_bytes = 0
+
+    def add(self, cache: EvictionCache) -> list[float]:
+        """Log every sequence of a cache that has seen its prompt; returns each one's C (mean over layers and KV
+        heads)."""
+        per_layer = cache.realised()
+        layer_means = torch.stack([kept.mean(-1) for kept in per_layer], dim=1)  # [B, layers]
+        self.lengths.extend(cache.lengths)
+        self.layers.extend(layer_means.tolist())
+        self.spreads.extend(int(s) for kept in per_layer for s in (kept.amax(-1) - kept.amin(-1)).tolist())
+        self.entries.extend(torch.stack([kept.sum(-1) for kept in per_layer]).sum(0).tolist())
+        self.entry_bytes = cache.entry_bytes()
+        return layer_means.mean(-1).tolist()
+
+    def stats(self) -> dict[str, Any]:
+        """The record's ``capacity``: C (mean over layers and KV heads) per sequence, its mean/min/max, the length
+        it applied to, the kept share, each layer's mean C, how unevenly KV heads were filled, and the bytes of
+        keys and values kept per sequence."""
+        kept = [sum(layers) / len(layers) for layers in self.layers]
+        count = max(len(kept), 1)
+        by_layer = list(zip(*self.layers, strict=True)) if self.layers else []
+        return {
+            "sequences": len(kept),
+            "length_mean": sum(self.lengths) / count,
+            "capacity_mean": sum(kept) / count,
+            "capacity_min": min(kept, default=0),
+            "capacity_max": max(kept, default=0),
+            "kept_fraction_mean": sum(c / max(n, 1) for n, c in zip(self.lengths, kept, strict=True)) / count,
+            "layer_capacity_mean": [sum(values) / len(values) for values in by_layer],
+            "head_spread_mean": sum(self.spreads) / max(len(self.spreads), 1),
+            "kv_bytes_mean": sum(self.entries) / count * self.entry_bytes,
+        }
 
 
 class SharedPromptLayer(CacheLayerMixin):
@@ -301,7 +442,6 @@ class SharedPromptLayer(CacheLayerMixin):
     def __init__(self, layers: list[EvictionLayer]) -> None:
         super().__init__()
         self.layers = layers
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
@@ -309,15 +449,16 @@ class SharedPromptLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if any(layer.seen for layer in self.layers):
             raise RuntimeError("SharedPrompt feeds the first chunk of empty caches only")
-        self.pending = [layer.update(key_states, value_states) for layer in self.layers][0]
-        routing.pending = self
-        return self.pending
+        return [layer.update(key_states, value_states) for layer in self.layers][0]
 
     def attend(self, module, query, key, value, attention_mask, scaling) -> torch.Tensor:
-        self.pending, routing.pending = None, None
         for layer in self.layers:
             layer.attend(module, query, key, value, attention_mask, scaling, output=False)
         return plain_attention(module, query, key, value, attention_mask, scaling)
+
+    def check_attended(self) -> None:
+        for layer in self.layers:
+            layer.check_attended()
 
     def get_seq_length(self) -> int:
         return self.layers[0].get_seq_length()
@@ -342,3 +483,10 @@ class SharedPrompt(Cache):
         super().__init__(
             layers=[SharedPromptLayer(list(layers)) for layers in zip(*(c.layers for c in caches), strict=True)]
         )
+
+    def eviction_layer(self, layer: int) -> SharedPromptLayer:
+        return self.layers[layer]
+
+    def check_attended(self) -> None:
+        for layer in self.layers:
+            layer.check_attended()
