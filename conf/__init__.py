@@ -8,28 +8,16 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-DEFAULT_PROTOCOL = {"loglikelihood": "simulate", "generation": "prefill", "synthetic": "prefill"}
-
 
 def task_default(task: Mapping[str, Any], setting: str) -> Any:
-    """``protocol`` or ``num_fewshot`` when not given: simulate and 0 shots for log-likelihood tasks; prefill
-    and the template's shots (``tasks/<template>.yaml``) for summarisation; for ``task=lm_eval``, by the task's
-    requests (prefill for ``generate_until``, else simulate) and its YAML's ``num_fewshot`` (0 if none)."""
-    if task["kind"] == "lm_eval":
-        from h2o_eval import harness
+    """``protocol`` or ``num_fewshot`` when not given: what the task's runner says (simulate and 0 shots for
+    log-likelihood tasks; prefill, and the template's or the lm-eval YAML's shots, for generation)."""
+    from h2o_eval.runners import runner_of
 
-        if setting == "protocol":
-            return "prefill" if harness.output_type(dict(task)) == "generate_until" else "simulate"
-        return harness.task_config(dict(task)).get("num_fewshot") or 0
-    if setting == "protocol":
-        return DEFAULT_PROTOCOL[task["kind"]]
-    if task["kind"] == "generation":
-        from h2o_eval.generation import template
-
-        return template(task)["num_fewshot"]
-    return 0
+    runner = runner_of(task)
+    return runner.default_protocol(task) if setting == "protocol" else runner.default_fewshot(task)
 
 
 OmegaConf.register_new_resolver(
-    "task_default", lambda setting, _root_: task_default(_root_.task, setting), replace=True
+    "task_default", lambda setting, _root_: task_default(dict(_root_.task), setting), replace=True
 )

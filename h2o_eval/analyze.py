@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from h2o_eval import harness
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import load_model
 from h2o_eval.run import fail
+from h2o_eval.runners import lmeval, task_registry
 
 THRESHOLD = 0.01
 TOP_SHARES = (0.05, 0.2)
@@ -131,14 +131,20 @@ def share_key(share: float) -> str:
 
 def task_config(name: str) -> dict[str, Any]:
     """The ``conf/task/<name>.yaml`` entry of a log-likelihood task; other names fail listing the valid ones."""
-    configs = harness.task_registry()
-    valid = ", ".join(sorted(key for key, config in configs.items() if config["kind"] == "loglikelihood"))
+    configs = task_registry()
+    valid = ", ".join(sorted(key for key, config in configs.items() if _log_likelihood(config)))
     if name not in configs:
         raise ConfigError(f"unknown task {name!r}: use one of {valid}")
-    if configs[name]["kind"] != "loglikelihood":
-        kind = configs[name]["kind"]
-        raise ConfigError(f"task {name!r} is a {kind} task: analyze reads log-likelihood requests, use one of {valid}")
+    if not _log_likelihood(configs[name]):
+        raise ConfigError(
+            f"task {name!r} is a generation task: analyze reads log-likelihood requests, use one of {valid}"
+        )
     return configs[name]
+
+
+def _log_likelihood(task: dict[str, Any]) -> bool:
+    """One of the lm-eval tasks this harness names by their lm-eval YAML whose requests are log-likelihoods."""
+    return bool(task.get("lm_eval_yaml")) and not lmeval.RUNNER.generates(task)
 
 
 def request_texts(
@@ -149,7 +155,7 @@ def request_texts(
     Winogrande-style tasks the gold one of the contexts). Few-shot contexts make the long texts the
     observations need: a zero-shot request is a few dozen tokens."""
     with tempfile.TemporaryDirectory() as folder:
-        manager = harness.task_manager(task, data_dir, Path(folder))
+        manager = lmeval.task_manager(task, data_dir, Path(folder))
         lm_task = manager.load(task["name"])["tasks"][task["name"]]
         lm_task.set_fewshot_seed(seed)
         docs = list(lm_task.eval_docs)[:limit]

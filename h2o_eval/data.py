@@ -1,4 +1,5 @@
-"""The local data files a run reads: which they are, whether they can be read, and what they hold (a hash).
+"""Local data files: reading them (one line naming the file, row and fix when they cannot be read) and what they
+hold (a hash). Which files a run reads is its runner's to say (:meth:`h2o_eval.runners.Runner.data_files`).
 
 A record's identity covers the content of its data (not the folder it came from), so a run on other data is
 never reported with the numbers of an earlier one, and byte-identical copies share their records.
@@ -13,29 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval.errors import ConfigError
-
-
-def data_files(config: dict[str, Any]) -> list[Path]:
-    """The files a run reads under ``data_dir`` (none when its data comes from the hub), or a synthetic task's
-    haystack; each must exist."""
-    if config["task"]["kind"] == "synthetic":
-        from h2o_eval import longcontext
-
-        return [path for path, _ in longcontext.haystack_files(config["task"], config.get("data_dir"))]
-    from h2o_eval import generation, harness
-
-    task = config["task"]
-    own = harness.task_files(task)
-    if config.get("data_dir") is None:
-        return own + [_existing(path, task) for path in harness.named_data_files(task)] if own else []
-    module = generation if task["kind"] == "generation" else harness
-    return [*own, module.local_data_file(task, config["data_dir"])]
-
-
-def _existing(path: Path, task: dict[str, Any]) -> Path:
-    if not path.is_file():
-        raise ConfigError(f"task {task['name']} reads {path}, which does not exist: fix its YAML's data_files")
-    return path
 
 
 def read_jsonl(path: Path, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -65,9 +43,8 @@ def read_jsonl(path: Path, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]
     return rows
 
 
-def fingerprint(config: dict[str, Any]) -> str:
-    """What the run's data is: ``hub``, or a hash of the content of the local files it reads."""
-    files = data_files(config)
+def fingerprint(files: list[Path]) -> str:
+    """What a run's data is: ``hub`` when it reads no local file, else a hash of the content of the files."""
     if not files:
         return "hub"
     digest = hashlib.sha256()

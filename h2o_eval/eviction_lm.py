@@ -1,12 +1,14 @@
-"""lm-eval's ``HFLM`` under KV eviction: the model class of the harness and of ``python -m h2o_eval.lm_eval``.
+"""lm-eval's ``HFLM`` under KV eviction: the model class of the ``lm_eval`` runner and of ``python -m
+h2o_eval.lm_eval``.
 
 Log-likelihood requests are scored in one forward under :func:`h2o_eval.patch` (the session's protocol);
-``generate_until`` requests go through ``model.generate`` with an :class:`~h2o_eval.cache.EvictionCache`, as the
-summarisation runner generates (:func:`h2o_eval.generation.feed_context`).
+``generate_until`` requests go through ``model.generate`` with an :class:`~h2o_eval.cache.EvictionCache`, on the
+one generation path every runner uses (:mod:`h2o_eval.generation`).
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import ExitStack
 from importlib import resources
 from typing import Any
@@ -18,9 +20,31 @@ from lm_eval.models.huggingface import HFLM
 from h2o_eval import generation
 from h2o_eval.backend import Session, patch
 from h2o_eval.errors import ConfigError
-from h2o_eval.harness import common_prefix, question_start
 
 MODEL_NAME = "h2o_eval"
+
+
+def question_start(lm_task: Any, doc: dict[str, Any], prompt: str) -> int:
+    """Where the scored document's own text starts in a request's prompt, after the demonstrations: the prompt
+    ends with the task's ``doc_to_text`` of the document (or, for tasks with several inputs such as Winogrande,
+    with one of its inputs)."""
+    texts = lm_task.doc_to_choice(doc) if lm_task.multiple_input else [lm_task.doc_to_text(doc)]
+    ends = [len(prompt) - len(text) for text in texts if isinstance(text, str) and text and prompt.endswith(text)]
+    if not ends:
+        raise ConfigError(
+            f"protocol=context cannot find where task {lm_task.config.task}'s question starts in its prompt: "
+            "use protocol=prefill"
+        )
+    return min(ends)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count
 
 
 class EvictionLM(HFLM):
@@ -37,7 +61,7 @@ class EvictionLM(HFLM):
     def __init__(self, *, session: Session, kernels: str = "auto", task: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.session, self.kernels, self.task = session, kernels, task
-        self.generated: list[dict[str, Any]] = []  # per generated request: prompt and generated tokens, capacity
+        self.generation: generation.GenerationLog | None = None  # what generate_until requests generated
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> EvictionLM:
@@ -90,9 +114,12 @@ class EvictionLM(HFLM):
         lm.patched = stack  # the model stays patched while the LM lives
         return lm
 
-    def capacity_stats(self) -> dict[str, Any]:
-        """Realised capacities of what was scored: the generated requests', else the log-likelihood requests'."""
-        return generation.capacity_stats(self.generated) if self.generated else self.session.capacity_stats()
+    def record_fields(self) -> dict[str, Any]:
+        """The record's ``capacity`` (and, for ``generate_until`` requests, ``generation``): the generated
+        requests' caches, else the log-likelihood forwards' (the same statistics either way)."""
+        if self.generation is not None:
+            return self.generation.fields()
+        return {"capacity": self.session.capacity_stats()}
 
     def loglikelihood(self, requests, disable_tqdm=False):
         if self.session.protocol == "context":
@@ -165,25 +192,21 @@ class EvictionLM(HFLM):
         """HFLM's ``model.generate`` call through a fresh :class:`EvictionCache` (context columns fed first)."""
         from h2o_eval.cache import EvictionCache
 
+        batch = generation.Batch(ids, mask, width)
+        began = time.perf_counter()
         cache = EvictionCache(self.model, self.session.policy, protocol=self.session.protocol, kernels=self.kernels)
-        generation.feed_context(self.model, cache, ids, mask, width)
+        generation.feed_context(self.model, cache, batch)
         sequences = super()._model_generate(
-            ids, max_length, stop, attention_mask=mask, past_key_values=cache, **generation_kwargs
+            ids,
+            max_length,
+            stop,
+            attention_mask=mask,
+            cache=cache,
+            **generation_kwargs,
         )
-        new_tokens = sequences[:, ids.shape[1] :]
-        prompts = mask.sum(-1).tolist()
-        produced = (new_tokens != self.tokenizer.pad_token_id).sum(-1).tolist()
-        for prompt, length, capacity, budgeted in zip(
-            prompts, produced, cache.capacity().tolist(), cache.lengths, strict=True
-        ):
-            self.generated.append(
-                {
-                    "prompt_tokens": prompt,
-                    "generated_tokens": length,
-                    "capacity": min(capacity, prompt + length),
-                    "budget_tokens": budgeted,
-                }
-            )
+        if self.generation is None:
+            self.generation = generation.GenerationLog(max_new_tokens=max_length - ids.shape[1])
+        self.generation.add(batch, sequences, cache, time.perf_counter() - began, generation.end_tokens(self.tokenizer))
         return sequences
 
 

@@ -8,8 +8,9 @@ The overrides and their comma sweeps are Hydra's, expanded as ``--multirun`` wou
 record ``python -m h2o_eval`` would write for it (same identity, same file; existing records are skipped). Cells
 of a long-context task that differ only in policy, budget and protocol (``prefill`` or ``context``) run together
 in one process: per batch of documents, the prompt (or context), which attends in full whatever the policy, is
-computed once and every cell's cache compresses it by its own policy (``longcontext.evaluate_shared``); each
-cell then generates alone. The prompt's attention is then the full cache's for every cell, so a cell can differ
+computed once and every cell's cache compresses it by its own policy (the runner's ``evaluate_shared``); each
+cell then generates alone. Loading, timing and record writing are ``python -m h2o_eval``'s own
+(:func:`h2o_eval.run.compute`). The prompt's attention is then the full cache's for every cell, so a cell can differ
 from its separate run by floating-point rounding there, nowhere else. Other cells run one by one.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from typing import Any
 
 from h2o_eval.errors import ConfigError
@@ -54,16 +54,15 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     return config
 
 
-def shareable(config: dict[str, Any]) -> bool:
-    return config["task"]["kind"] == "synthetic" and config["protocol"] in ("prefill", "context")
-
-
 def groups(configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Shareable cells grouped by everything but policy, budget and protocol; every other cell alone."""
+    """Cells whose runner can share their prompt passes, grouped by everything but policy, budget and protocol;
+    every other cell alone."""
+    from h2o_eval.runners import runner_of
+
     together: dict[str, list[dict[str, Any]]] = {}
     alone = []
     for config in configs:
-        if shareable(config):
+        if runner_of(config["task"]).shares_prompts(config):
             key = json.dumps({k: v for k, v in config.items() if k not in SHARED_KEYS}, sort_keys=True)
             together.setdefault(key, []).append(config)
         else:
@@ -71,34 +70,11 @@ def groups(configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return list(together.values()) + alone
 
 
-def run_group(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Compute one group of cells sharing its prompts, write their records; returns them."""
-    from h2o_eval import longcontext, results
-    from h2o_eval.models import load_model
-    from h2o_eval.run import finish, policy_of
-    from h2o_eval.threads import apply as apply_threads
-
-    first = configs[0]
-    start = time.perf_counter()
-    git = results.git_commit()
-    threads = apply_threads(first["threads"])
-    model, tokenizer = load_model(first["model"], device=first["device"], dtype=first["dtype"])
-    cells = [(policy_of(config), config) for config in configs]
-    computed = longcontext.evaluate_shared(model, tokenizer, cells)
-    seconds = (time.perf_counter() - start) / len(configs)
-    records = []
-    for (policy, config), (fields, outputs) in zip(cells, computed, strict=True):
-        fields["generation"]["shared_prompt_cells"] = len(configs)
-        path = results.record_path(config["results_dir"], config)
-        records.append(finish(config, path, policy, fields, outputs, threads, seconds, git))
-    return records
-
-
 def main(argv: list[str]) -> None:
     """Compose every cell (a typo stops all), refuse the invalid ones (as ``--multirun`` fails those jobs), skip
     those with records, compute the rest; exit 1 if a cell was refused."""
     from h2o_eval import results
-    from h2o_eval.run import execute, existing, fail, summary_line, validate
+    from h2o_eval.run import compute, execute, existing, fail, summary_line, validate
 
     try:
         cells = [(cell, compose(cell)) for cell in expand(argv)]
@@ -128,7 +104,7 @@ def main(argv: list[str]) -> None:
             done.append(execute(group[0])[1])
         else:
             print(f"{len(group)} cells of {group[0]['task']['name']} share their prompts")
-            done += run_group(group)
+            done += compute(group)
     if done:
         print("\n".join(["summary:", *(summary_line(record) for record in done)]))
     if refused:

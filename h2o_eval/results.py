@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import data
+from h2o_eval.policies import configured_policy
+from h2o_eval.runners import runner_of
 
 SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "h2o_eval")
@@ -43,15 +45,23 @@ class UnreadableRecord(ValueError):
 
 
 def identity(config: dict[str, Any]) -> dict[str, Any]:
-    """The part of a resolved config that determines a run's numbers, plus the data it reads: ``hub``, or the
-    hash of the local files' content (see :func:`h2o_eval.data.fingerprint`; for ``task=lm_eval`` with
-    ``task.include_path`` also the task's YAMLs, whose folder, like ``data_dir``, is not identity)."""
-    ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY}
+    """The part of a resolved config that determines a run's numbers: its settings (those of its runner's family:
+    :meth:`~h2o_eval.runners.Runner.identity`), the policy as built (every parameter, a wrapped base's included,
+    whatever the config spelled out), and the data it reads: ``hub``, or the hash of the local files' content (see
+    :func:`h2o_eval.data.fingerprint`; for ``task=lm_eval`` with ``task.include_path`` also the task's YAMLs, whose
+    folder, like ``data_dir``, is not identity)."""
+    runner = runner_of(config["task"])
+    ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY and key != "generation"}
     ident["task"] = {key: value for key, value in config["task"].items() if key != "include_path"}
-    if config["task"].get("kind") != "generation":
-        ident.pop("generation", None)
-    ident["data"] = data.fingerprint(config)
+    ident |= runner.identity(config)
+    ident["built_policy"] = configured_policy(config).describe()
+    ident["data"] = data_fingerprint(config)
     return ident
+
+
+def data_fingerprint(config: dict[str, Any]) -> str:
+    """The record's ``data``: what its runner reads, hashed (:func:`h2o_eval.data.fingerprint`)."""
+    return data.fingerprint(runner_of(config["task"]).data_files(config["task"], config.get("data_dir")))
 
 
 def record_path(results_dir: str | Path, config: dict[str, Any]) -> Path:

@@ -34,11 +34,11 @@ def prompt_ids(tokenizer, data_dir: Path, length: int) -> torch.Tensor:
 def decode(model, prompt: torch.Tensor, policy, new_tokens: int) -> tuple[float, int, int, list[int]]:
     """(decode seconds, KV bytes at the end, entries per KV head at the end, generated ids)."""
     cache = EvictionCache(model, policy, protocol="prefill")
-    token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    token = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
     generated = [int(token)]
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
-        token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
         generated.append(int(token))
     seconds = time.perf_counter() - start
     return seconds, cache.kv_bytes(), int(cache.layers[0].held.sum(-1).max()), generated

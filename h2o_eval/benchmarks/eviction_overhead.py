@@ -12,16 +12,14 @@ ratio, and the accuracies.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from h2o_eval import harness
-from h2o_eval.backend import patch
 from h2o_eval.models import load_model, registry
 from h2o_eval.policies import POLICIES, make_policy
+from h2o_eval.runners import lmeval, task_registry
 
 WORKLOADS = [("copa", 0, None), ("piqa", 5, 100)]
 
@@ -29,22 +27,19 @@ WORKLOADS = [("copa", 0, None), ("piqa", 5, 100)]
 def time_policy(
     model, tokenizer, policy, protocol, task, shots, limit, data_dir, batch_size, kernels
 ) -> tuple[float, float]:
-    with patch(model, policy, protocol=protocol, kernels=kernels) as session:
-        start = time.perf_counter()
-        output, _ = harness.evaluate(
-            model,
-            tokenizer,
-            harness.task_registry()[task],
-            session,
-            data_dir=data_dir,
-            work_dir=Path(tempfile.mkdtemp()),
-            num_fewshot=shots,
-            limit=limit,
-            batch_size=batch_size,
-            seed=1234,
-        )
-        elapsed = time.perf_counter() - start
-    return elapsed, harness.metrics(output, task)["acc"]
+    config = {
+        "task": task_registry()[task],
+        "data_dir": data_dir,
+        "protocol": protocol,
+        "kernels": kernels,
+        "batch_size": batch_size,
+        "num_fewshot": shots,
+        "limit": limit,
+        "seed": 1234,
+    }
+    start = time.perf_counter()
+    evaluation = lmeval.RUNNER.evaluate(model, tokenizer, policy, config)
+    return time.perf_counter() - start, evaluation.fields["metrics"]["acc"]
 
 
 def main() -> None:

@@ -1,36 +1,28 @@
-"""Tasks scored by lm-eval in-process, with lm-eval's own task YAMLs: the paper's log-likelihood tasks
-(``conf/task/<name>.yaml``) and, with ``task=lm_eval``, any task lm-eval knows or the user's own YAMLs
-(``task.include_path``), log-likelihood and ``generate_until`` alike.
+"""The ``lm_eval`` runner: tasks scored by lm-eval in-process, with lm-eval's own task YAMLs: the paper's
+log-likelihood tasks (``conf/task/<name>.yaml`` naming ``lm_eval_yaml``) and, with ``task=lm_eval``, any task lm-eval
+knows or the user's own YAMLs (``task.include_path``), log-likelihood and ``generate_until`` alike.
 
 For each run we write a one-task YAML that ``include:``s the task's lm-eval YAML and, with ``data_dir``,
 overrides only where the data comes from: ``dataset_path: json`` reading ``<data_dir>/<task>/<split>.jsonl``.
 Prompts, choices and metrics stay lm-eval's. Locally only the evaluated split exists, so it becomes lm-eval's
 ``test_split`` and its few-shot pool; lm-eval then removes the scored document from its own few-shot draw.
+The model is :class:`~h2o_eval.eviction_lm.EvictionLM` under :func:`~h2o_eval.backend.patch`.
 """
 
 from __future__ import annotations
 
 import functools
-from importlib import resources
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
+from h2o_eval import hub
+from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
-
-if TYPE_CHECKING:
-    from h2o_eval.backend import Session
-
-
-def task_registry() -> dict[str, dict[str, Any]]:
-    """Every task name mapped to its config (the contents of ``conf/task/<name>.yaml``), as the CLI sees it."""
-    folder = resources.files("h2o_eval.conf") / "task"
-    return {
-        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
-        for entry in folder.iterdir()
-        if entry.name.endswith(".yaml")
-    }
+from h2o_eval.runners import Evaluation, Runner
 
 
 def lm_eval_tasks_dir() -> Path:
@@ -71,12 +63,12 @@ def _entry(task: dict[str, Any]) -> Any:
 
 def source_yaml(task: dict[str, Any]) -> Path:
     """The lm-eval YAML that defines ``task``: one of lm-eval's own, or the user's (``task.include_path``)."""
-    if task["kind"] == "lm_eval":
-        return Path(_entry(task).yaml_path)
-    return lm_eval_tasks_dir() / task["lm_eval_yaml"]
+    if task.get("lm_eval_yaml"):
+        return lm_eval_tasks_dir() / task["lm_eval_yaml"]
+    return Path(_entry(task).yaml_path)
 
 
-def task_config(task: dict[str, Any]) -> dict[str, Any]:
+def task_config(task: Mapping[str, Any]) -> dict[str, Any]:
     """The task's lm-eval config as lm-eval reads it (``include:`` resolved, ``!function`` left unresolved)."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -127,7 +119,7 @@ def task_files(task: dict[str, Any]) -> list[Path]:
     """The user's task files a ``task=lm_eval`` task's results depend on: the YAMLs and Python helpers under
     ``task.include_path`` (none for lm-eval's own tasks, which lm-eval's version pins)."""
     folder = task.get("include_path")
-    if task["kind"] != "lm_eval" or not folder:
+    if not folder:
         return []
     return sorted(
         path
@@ -174,73 +166,6 @@ def task_manager(task: dict[str, Any], data_dir: str | Path | None, task_dir: Pa
     return TaskManager(include_path=str(task_dir), include_defaults=False)
 
 
-def evaluate(
-    model: Any,
-    tokenizer: Any,
-    task: dict[str, Any],
-    session: Session,
-    *,
-    data_dir: str | Path | None,
-    work_dir: Path,
-    num_fewshot: int,
-    limit: int | float | None,
-    batch_size: int,
-    seed: int,
-    kernels: str = "auto",
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Score ``model`` (patched: ``session`` is its backend session) on ``task`` with lm-eval, generating (for
-    ``generate_until`` tasks) through an EvictionCache with ``kernels``.
-
-    Returns lm-eval's results dict (with ``n-samples`` and the per-document ``samples``) and the realised
-    capacities.
-    """
-    from lm_eval import simple_evaluate
-
-    from h2o_eval.eviction_lm import EvictionLM
-
-    manager = task_manager(task, data_dir, work_dir / "lm_eval_tasks")
-    lm_task = manager.load([task["name"]])["tasks"][task["name"]]
-    lm = EvictionLM(
-        pretrained=model, tokenizer=tokenizer, batch_size=batch_size, session=session, kernels=kernels, task=lm_task
-    )
-    output = simple_evaluate(
-        model=lm,
-        tasks=[lm_task],
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=True,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
-    return output, lm.capacity_stats()
-
-
-def question_start(lm_task: Any, doc: dict[str, Any], prompt: str) -> int:
-    """Where the scored document's own text starts in a request's prompt, after the demonstrations: the prompt
-    ends with the task's ``doc_to_text`` of the document (or, for tasks with several inputs such as Winogrande,
-    with one of its inputs)."""
-    texts = lm_task.doc_to_choice(doc) if lm_task.multiple_input else [lm_task.doc_to_text(doc)]
-    ends = [len(prompt) - len(text) for text in texts if isinstance(text, str) and text and prompt.endswith(text)]
-    if not ends:
-        raise ConfigError(
-            f"protocol=context cannot find where task {lm_task.config.task}'s question starts in its prompt: "
-            "use protocol=prefill"
-        )
-    return min(ends)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count
-
-
 def metrics(results: dict[str, Any], task_name: str) -> dict[str, float]:
     """lm-eval's metrics for one task: ``acc``, ``acc_stderr``, ``acc_norm`` ...; a metric of a filter other
     than ``none`` keeps lm-eval's key (``exact_match,strict-match``)."""
@@ -264,3 +189,96 @@ def document_scores(results: dict[str, Any], task_name: str) -> list[dict[str, A
             if sample.get("filter", "none") == (kept or ["none"])[0] and isinstance(sample.get(metric), int | float):
                 row["scores"][",".join([metric, *kept])] = float(sample[metric])
     return [rows[doc_id] for doc_id in sorted(rows)]
+
+
+class LmEvalRunner(Runner):
+    """lm-eval's tasks, scored by lm-eval on :class:`~h2o_eval.eviction_lm.EvictionLM`."""
+
+    name = "lm_eval"
+
+    def default_protocol(self, task: Mapping[str, Any]) -> str:
+        return "prefill" if self.generates(task) else "simulate"
+
+    def default_fewshot(self, task: Mapping[str, Any]) -> int:
+        """The task YAML's ``num_fewshot``, else 0."""
+        return task_config(dict(task)).get("num_fewshot") or 0
+
+    def generates(self, task: Mapping[str, Any]) -> bool:
+        return output_type(dict(task)) == "generate_until"
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        task = dict(config["task"])
+        primary_metric(task)
+        if config["protocol"] == "context" and not self.generates(task) and config["num_fewshot"] == 0:
+            raise ConfigError(
+                "protocol=context compresses a log-likelihood request's demonstrations before its question: "
+                "use num_fewshot >= 1"
+            )
+        for path in self.data_files(task, config["data_dir"]):
+            if path.suffix == ".jsonl":
+                read_jsonl(path)
+        if config["data_dir"] is None and (dataset := hub_dataset(task)) is not None:
+            hub.check_dataset(task["name"], dataset)
+
+    def data_files(self, task: Mapping[str, Any], data_dir: str | Path | None) -> list[Path]:
+        """The user's task files (``task.include_path``) and, with ``data_dir``, the evaluated split's JSONL; without
+        it, the local files a user's task YAML names (a hub task reads none)."""
+        task = dict(task)
+        own = task_files(task)
+        if data_dir is None:
+            return own + [_existing(path, task) for path in named_data_files(task)] if own else []
+        return [*own, local_data_file(task, data_dir)]
+
+    def evaluate(self, model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]) -> Evaluation:
+        """Score the task with lm-eval's ``simple_evaluate`` under ``patch`` (``generate_until`` requests generate
+        through an EvictionCache); the record gets lm-eval's metrics, its per-document scores and its table."""
+        from lm_eval import simple_evaluate
+        from lm_eval.utils import make_table
+
+        from h2o_eval.backend import patch
+        from h2o_eval.eviction_lm import EvictionLM
+
+        task = dict(config["task"])
+        with tempfile.TemporaryDirectory(prefix="h2o_eval-lm_eval-") as folder:
+            manager = task_manager(task, config["data_dir"], Path(folder))
+            lm_task = manager.load([task["name"]])["tasks"][task["name"]]
+        with patch(model, policy, protocol=config["protocol"], kernels=config["kernels"]) as session:
+            lm = EvictionLM(
+                pretrained=model,
+                tokenizer=tokenizer,
+                batch_size=config["batch_size"],
+                session=session,
+                kernels=config["kernels"],
+                task=lm_task,
+            )
+            seed = config["seed"]
+            output = simple_evaluate(
+                model=lm,
+                tasks=[lm_task],
+                num_fewshot=config["num_fewshot"],
+                limit=config["limit"],
+                task_manager=manager,
+                log_samples=True,
+                random_seed=seed,
+                numpy_random_seed=seed,
+                torch_random_seed=seed,
+                fewshot_random_seed=seed,
+            )
+        name = task["name"]
+        fields = {
+            "metric": primary_metric(task),
+            "metrics": metrics(output, name),
+            "n_samples": output["n-samples"][name]["effective"],
+            "output_type": output_type(task),
+            **lm.record_fields(),
+        }
+        return Evaluation(fields, document_scores(output, name), make_table(output))
+
+
+def _existing(path: Path, task: dict[str, Any]) -> Path:
+    if not path.is_file():
+        raise ConfigError(f"task {task['name']} reads {path}, which does not exist: fix its YAML's data_files")
+    return path
+
+
+RUNNER = LmEvalRunner()

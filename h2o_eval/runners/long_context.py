@@ -1,5 +1,6 @@
-"""Synthetic long-context tasks after RULER (Hsieh et al. 2024, arXiv:2404.06654): needles in a haystack of real
-news text, variable tracking and common-words extraction, scored with RULER's ``string_match_all``.
+"""The ``long_context`` runner: synthetic long-context tasks after RULER (Hsieh et al. 2024, arXiv:2404.06654):
+needles in a haystack of real news text, variable tracking and common-words extraction, scored with RULER's
+``string_match_all``.
 
 A document is a pure function of (task parameters, tokenizer, haystack texts, seed, index, length, depth), so a
 run is reproducible without storing data. Its prompt is fitted to ``length`` tokens of the model's own tokenizer
@@ -23,6 +24,7 @@ from typing import Any
 
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
+from h2o_eval.runners import Evaluation, Runner
 
 FAMILIES = ("niah", "vt", "cwe")
 # Where RULER puts needles it does not ask for: 40 evenly spaced depths (percent).
@@ -382,17 +384,11 @@ def batches(docs: list[dict[str, Any]], protocol: str, batch_size: int) -> list[
     return [group[i : i + batch_size] for group in groups.values() for i in range(0, len(group), batch_size)]
 
 
-def _encode(batch: list[dict[str, Any]], protocol: str, tokenizer: Any, device: Any) -> tuple[Any, Any, int | None]:
-    from h2o_eval.generation import pad_context
+def _batch(docs: list[dict[str, Any]], protocol: str, tokenizer: Any, device: Any):
+    from h2o_eval.generation import make_batch
 
-    if protocol == "context":
-        return pad_context(
-            [d["context_ids"] for d in batch], [d["question_ids"] for d in batch], tokenizer.pad_token_id, device
-        )
-    padded = tokenizer.pad(
-        {"input_ids": [d["context_ids"] + d["question_ids"] for d in batch]}, padding=True, return_tensors="pt"
-    ).to(device)
-    return padded.input_ids, padded.attention_mask, None
+    contexts, questions = [d["context_ids"] for d in docs], [d["question_ids"] for d in docs]
+    return make_batch(contexts, questions, tokenizer.pad_token_id, device, split=protocol == "context")
 
 
 def _greedy(task: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
@@ -406,27 +402,20 @@ def _greedy(task: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _rows(batch, sequences, prompt_width: int, tokenizer: Any, cache: Any) -> list[dict[str, Any]]:
-    """Per-document outputs of one generated batch: the answer up to end of sequence, scored."""
-    capacity = cache.capacity()
+def _outputs(docs: list[dict[str, Any]], generated: list[dict[str, Any]], tokenizer: Any) -> list[dict[str, Any]]:
+    """Per-document outputs of one generated batch: the answer, scored."""
     rows = []
-    for row, document in enumerate(batch):
-        tokens = sequences[row, prompt_width:].tolist()
-        ends = (tokenizer.pad_token_id, tokenizer.eos_token_id)
-        length = next((i for i, token in enumerate(tokens) if token in ends), len(tokens))
-        prediction = tokenizer.decode(tokens[:length], skip_special_tokens=True).strip()
+    for document, row in zip(docs, generated, strict=True):
+        prediction = tokenizer.decode(row.pop("tokens"), skip_special_tokens=True).strip()
         rows.append(
             {
                 "id": document["index"],
                 "depth": document["depth"],
-                "prompt_tokens": document["length"],
                 "context_tokens": len(document["context_ids"]),
                 "answers": document["answers"],
                 "prediction": prediction,
                 "scores": {"string_match_all": string_match_all(prediction, document["answers"])},
-                "generated_tokens": length,
-                "capacity": min(round(float(capacity[row]), 2), document["length"] + length),
-                "budget_tokens": cache.lengths[row],
+                **row,
                 "needles": document["needles"],
                 "prompt": document["prompt"],
             }
@@ -434,122 +423,116 @@ def _rows(batch, sequences, prompt_width: int, tokenizer: Any, cache: Any) -> li
     return rows
 
 
-def _fields(task: Mapping[str, Any], outputs: list[dict[str, Any]], seconds: float, peak: int) -> dict[str, Any]:
-    from h2o_eval.generation import capacity_stats
-
+def _evaluation(task: Mapping[str, Any], outputs: list[dict[str, Any]], log: Any) -> Evaluation:
     outputs.sort(key=lambda o: o["id"])
     n = max(len(outputs), 1)
-    generated = sum(o["generated_tokens"] for o in outputs)
-    return {
+    fields = {
         "metrics": {"string_match_all": sum(o["scores"]["string_match_all"] for o in outputs) / n},
         "n_samples": len(outputs),
         "length": task["length"],
-        "generation": {
-            "max_new_tokens": task["max_new_tokens"],
-            "prompt_tokens_mean": sum(o["prompt_tokens"] for o in outputs) / n,
-            "generated_tokens_mean": generated / n,
-            "generated_tokens_per_s": generated / seconds if seconds else 0.0,
-            "kv_peak_entries": peak,
-        },
-        "capacity": capacity_stats(outputs),
+        **log.fields(),
     }
+    return Evaluation(fields, outputs)
 
 
-def evaluate(
-    model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Generate the run's documents, answer each greedily through an :class:`~h2o_eval.cache.EvictionCache`
-    (stopping at end of sequence or ``task.max_new_tokens``) and score it. Returns (record fields, per-document
-    outputs: prompt, answers, depth, prediction, scores)."""
-    from tqdm import tqdm
+class LongContextRunner(Runner):
+    """Generate the run's documents and answer each greedily through an EvictionCache (stopping at end of sequence
+    or ``task.max_new_tokens``), scored with RULER's ``string_match_all``."""
 
-    from h2o_eval.cache import EvictionCache
-    from h2o_eval.generation import generate
+    name = "long_context"
 
-    task, protocol = config["task"], config["protocol"]
-    docs = documents(model, tokenizer, config)
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    outputs: list[dict[str, Any]] = []
-    seconds = peak = 0
-    progress = tqdm(total=len(docs), desc=f"generating {task['name']}", unit="doc")
-    for batch in batches(docs, protocol, config["batch_size"]):
-        ids, mask, width = _encode(batch, protocol, tokenizer, device)
-        cache = EvictionCache(model, policy, protocol=protocol, kernels=config["kernels"])
-        began = time.perf_counter()
-        sequences = generate(model, cache, ids, mask, width, **_greedy(task, tokenizer))
-        seconds += time.perf_counter() - began
-        peak = max(peak, cache.peak_entries)
-        outputs += _rows(batch, sequences, ids.shape[1], tokenizer, cache)
-        progress.update(len(batch))
-    progress.close()
-    return _fields(task, outputs, seconds, peak), outputs
+    def default_protocol(self, task: Mapping[str, Any]) -> str:
+        return "prefill"
 
+    def check(self, config: Mapping[str, Any]) -> None:
+        check(config["task"], config["data_dir"])
+        if config["num_fewshot"]:
+            raise ConfigError(
+                f"task {config['task']['name']} has no few-shot examples: drop num_fewshot={config['num_fewshot']}"
+            )
 
-def evaluate_shared(
-    model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
-) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-    """:func:`evaluate` for several (policy, config) cells that differ only in policy, budget and protocol
-    (``prefill`` or ``context``), returning each cell's (record fields, outputs) in order. The documents and
-    batches are the same as :func:`evaluate`'s; per batch and protocol, the first chunk (the prompt in
-    ``prefill``, the context in ``context``), which attends in full whatever the policy, runs once through a
-    :class:`~h2o_eval.cache.SharedPrompt` of every cell's cache, each compressing it by its own policy; each cell
-    then generates alone. In ``prefill`` the shared pass also chooses the first new token (``generate`` with one
-    new token), which depends on the prompt alone. A cell's ``generated_tokens_per_s`` counts its share of the
-    shared pass."""
-    import torch
-    from tqdm import tqdm
+    def data_files(self, task: Mapping[str, Any], data_dir: str | Path | None) -> list[Path]:
+        return [path for path, _ in haystack_files(task, data_dir)]
 
-    from h2o_eval.cache import EvictionCache, SharedPrompt
-    from h2o_eval.generation import feed_context
+    def evaluate(self, model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]) -> Evaluation:
+        return self.evaluate_shared(model, tokenizer, [(policy, config)])[0]
 
-    config = cells[0][1]
-    task = config["task"]
-    docs = documents(model, tokenizer, config)
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    greedy = _greedy(task, tokenizer)
-    outputs: list[list[dict[str, Any]]] = [[] for _ in cells]
-    seconds, peak = [0.0] * len(cells), [0] * len(cells)
-    protocols = sorted({cell["protocol"] for _, cell in cells})
-    progress = tqdm(total=len(docs) * len(protocols), desc=f"generating {task['name']} x {len(cells)} cells")
-    for protocol in protocols:
-        members = [i for i, (_, cell) in enumerate(cells) if cell["protocol"] == protocol]
-        for batch in batches(docs, protocol, config["batch_size"]):
-            ids, mask, width = _encode(batch, protocol, tokenizer, device)
-            prompt_width = ids.shape[1]
-            caches = {
-                i: EvictionCache(model, cells[i][0], protocol=protocol, kernels=config["kernels"]) for i in members
-            }
-            began = time.perf_counter()
-            shared = SharedPrompt(list(caches.values()))
-            new_tokens = task["max_new_tokens"]
-            if width is not None and width < prompt_width:
-                feed_context(model, shared, ids, mask, width)
-            else:
-                with torch.no_grad():
-                    ids = model.generate(
-                        input_ids=ids, attention_mask=mask, past_key_values=shared, **greedy | {"max_new_tokens": 1}
-                    )
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-                new_tokens -= 1
-            share = (time.perf_counter() - began) / len(members)
-            del shared  # it holds every cache's layers: each cache is freed once its cell has generated
-            for i in members:
-                cache = caches.pop(i)
-                began = time.perf_counter()
-                sequences = ids
-                if new_tokens > 0:
-                    with torch.no_grad():
-                        sequences = model.generate(
-                            input_ids=ids,
-                            attention_mask=mask,
-                            past_key_values=cache,
-                            **greedy | {"max_new_tokens": new_tokens},
+    def shares_prompts(self, config: Mapping[str, Any]) -> bool:
+        return config["protocol"] in ("prefill", "context")
+
+    def evaluate_shared(
+        self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
+    ) -> list[Evaluation]:
+        """The cells' evaluations; they differ only in policy, budget and protocol. Per batch and protocol, the
+        first chunk (the prompt in ``prefill``, the context in ``context``), which attends in full whatever the
+        policy, runs once through a :class:`~h2o_eval.cache.SharedPrompt` of every cell's cache, each compressing it
+        by its own policy; each cell then generates alone. In ``prefill`` the shared pass also chooses the first new
+        token (``generate`` with one new token), which depends on the prompt alone. A single cell, or ``simulate``,
+        is the plain generation path. A cell's ``generated_tokens_per_s`` counts its share of the shared pass."""
+
+        import torch
+        from tqdm import tqdm
+
+        from h2o_eval import generation
+        from h2o_eval.cache import EvictionCache, SharedPrompt
+
+        config = cells[0][1]
+        task = config["task"]
+        docs = documents(model, tokenizer, config)
+        device = next(model.parameters()).device
+        greedy = _greedy(task, tokenizer)
+        ends = generation.end_tokens(tokenizer)
+        logs = [generation.GenerationLog(max_new_tokens=task["max_new_tokens"]) for _ in cells]
+        outputs: list[list[dict[str, Any]]] = [[] for _ in cells]
+        protocols = sorted({cell["protocol"] for _, cell in cells})
+        label = f"generating {task['name']}" + (f" x {len(cells)} cells" if len(cells) > 1 else "")
+        progress = tqdm(total=len(docs) * len(protocols), desc=label, unit="doc")
+        for protocol in protocols:
+            members = [i for i, (_, cell) in enumerate(cells) if cell["protocol"] == protocol]
+            for group in batches(docs, protocol, config["batch_size"]):
+                batch = _batch(group, protocol, tokenizer, device)
+                if len(members) == 1 or protocol == "simulate":
+                    for i in members:
+                        generated = generation.run_batch(
+                            model,
+                            cells[i][0],
+                            batch,
+                            logs[i],
+                            ends,
+                            protocol=protocol,
+                            kernels=config["kernels"],
+                            **greedy,
                         )
-                seconds[i] += share + time.perf_counter() - began
-                peak[i] = max(peak[i], cache.peak_entries)
-                outputs[i] += _rows(batch, sequences, prompt_width, tokenizer, cache)
-            progress.update(len(batch))
-    progress.close()
-    return [(_fields(task, rows, seconds[i], peak[i]), rows) for i, rows in enumerate(outputs)]
+                        outputs[i] += _outputs(group, generated, tokenizer)
+                    progress.update(len(group))
+                    continue
+                caches = {
+                    i: EvictionCache(model, cells[i][0], protocol=protocol, kernels=config["kernels"]) for i in members
+                }
+                began = time.perf_counter()
+                shared = SharedPrompt(list(caches.values()))
+                ids, mask, new_tokens = batch.input_ids, batch.attention_mask, task["max_new_tokens"]
+                if batch.context_width is not None and batch.context_width < ids.shape[1]:
+                    generation.feed_context(model, shared, batch)
+                else:
+                    ids = generation.decode(model, shared, ids, mask, **greedy | {"max_new_tokens": 1})
+                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+                    new_tokens -= 1
+                share = (time.perf_counter() - began) / len(members)
+                del shared  # it holds every cache's layers: each cache is freed once its cell has generated
+                for i in members:
+                    cache = caches.pop(i)
+                    began = time.perf_counter()
+                    sequences = ids
+                    if new_tokens > 0:
+                        sequences = generation.decode(
+                            model, cache, ids, mask, **greedy | {"max_new_tokens": new_tokens}
+                        )
+                    seconds = share + time.perf_counter() - began
+                    outputs[i] += _outputs(group, logs[i].add(batch, sequences, cache, seconds, ends), tokenizer)
+                progress.update(len(group))
+        progress.close()
+        return [_evaluation(task, rows, log) for rows, log in zip(outputs, logs, strict=True)]
+
+
+RUNNER = LongContextRunner()

@@ -1,34 +1,37 @@
-"""Summarisation under real KV eviction: prompts from ``tasks/<template>.yaml``, ``generate()`` with an
-:class:`~h2o_eval.cache.EvictionCache`, ROUGE-1/2/L F-measures (stemmed) from ``rouge-score``."""
+"""The ``summarisation`` runner: XSUM and CNN/DM under real KV eviction. HELM-style prompts from
+``tasks/<template>.yaml``, generated on the one generation path (:mod:`h2o_eval.generation`), ROUGE-1/2/L
+F-measures (stemmed) from ``rouge-score``."""
 
 from __future__ import annotations
 
 import random
-import time
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from h2o_eval import hub
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
+from h2o_eval.runners import Evaluation, Runner
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 
-def template(task: dict[str, Any]) -> dict[str, Any]:
+def template(task: Mapping[str, Any]) -> dict[str, Any]:
     return yaml.safe_load((resources.files("h2o_eval.tasks") / f"{task['template']}.yaml").read_text())
 
 
-def local_data_file(task: dict[str, Any], data_dir: str | Path) -> Path:
+def local_data_file(task: Mapping[str, Any], data_dir: str | Path) -> Path:
     path = Path(data_dir) / task["name"] / f"{task['split']}.jsonl"
     if not path.is_file():
         raise ConfigError(f"no data file {path}: put it there or change data_dir={data_dir}")
     return path
 
 
-def load_documents(task: dict[str, Any], data_dir: str | Path | None) -> list[dict[str, Any]]:
+def load_documents(task: Mapping[str, Any], data_dir: str | Path | None) -> list[dict[str, Any]]:
     """The task's split: ``<data_dir>/<task>/<split>.jsonl`` if ``data_dir`` is set, else the Hugging Face hub."""
     if data_dir is not None:
         return read_jsonl(local_data_file(task, data_dir), tuple(template(task)["fields"].values()))
@@ -77,63 +80,6 @@ def split_question(prompt: str, question: str) -> tuple[str, str]:
     return prompt[: len(prompt) - len(question)], question
 
 
-def encode(tokenizer: Any, parts: list[tuple[str, str]], protocol: str, device: Any) -> tuple[Any, Any, int | None]:
-    """A batch of (context, question) prompts as left-padded ``input_ids`` and ``attention_mask``, and, for the
-    ``context`` protocol, the width of the context columns: contexts and questions are tokenized apart (the
-    question without special tokens), and every question must have the same length, so that the contexts end in
-    one column. Other protocols tokenize each prompt whole (width None)."""
-
-    if protocol != "context":
-        batch = tokenizer([c + q for c, q in parts], return_tensors="pt", padding=True).to(device)
-        return batch.input_ids, batch.attention_mask, None
-    contexts = [tokenizer(c).input_ids for c, _ in parts]
-    questions = [tokenizer(q, add_special_tokens=False).input_ids for _, q in parts]
-    return pad_context(contexts, questions, tokenizer.pad_token_id, device)
-
-
-def pad_context(contexts: list[list[int]], questions: list[list[int]], pad: int, device: Any) -> tuple[Any, Any, int]:
-    """Token-id contexts left-padded to one width, each followed by its question (all of one length), so that
-    every context ends in the same column: (``input_ids``, ``attention_mask``, that width)."""
-    import torch
-
-    if len({len(q) for q in questions}) != 1:
-        raise ValueError("a context-protocol batch needs questions of one length: batch them by length")
-    width = max(len(c) for c in contexts)
-    ids = [[pad] * (width - len(c)) + c + q for c, q in zip(contexts, questions, strict=True)]
-    mask = [[0] * (width - len(c)) + [1] * (len(c) + len(q)) for c, q in zip(contexts, questions, strict=True)]
-    return torch.tensor(ids, device=device), torch.tensor(mask, device=device), width
-
-
-def feed_context(model: Any, cache: Any, input_ids: Any, attention_mask: Any, context_width: int | None) -> None:
-    """With a ``context_width``, feed the context columns through ``cache`` as one chunk: the cache prefills and
-    compresses them before the question exists. Nothing to do without one, or with an empty question (as
-    prefill)."""
-    import torch
-
-    if context_width is None or context_width >= input_ids.shape[1]:
-        return
-    mask = attention_mask[:, :context_width]
-    with torch.no_grad():
-        model(
-            input_ids[:, :context_width],
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,  # the context's own logits are never read
-        )
-
-
-def generate(model: Any, cache: Any, input_ids: Any, attention_mask: Any, context_width: int | None, **kwargs: Any):
-    """``model.generate`` through ``cache``, the context columns fed first (:func:`feed_context`); ``generate``
-    then feeds the question under the policy's decoding rule, and decodes."""
-    import torch
-
-    feed_context(model, cache, input_ids, attention_mask, context_width)
-    with torch.no_grad():
-        return model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **kwargs)
-
-
 def rouge(predictions: list[str], references: list[str]) -> list[dict[str, float]]:
     """Per-document ROUGE-1/2/L F-measures with stemming (``rouge-score``)."""
     from rouge_score import rouge_scorer
@@ -145,129 +91,118 @@ def rouge(predictions: list[str], references: list[str]) -> list[dict[str, float
     ]
 
 
-def summarise(
-    model: Any,
-    tokenizer: Any,
-    task: dict[str, Any],
-    policy: Any,
-    *,
-    protocol: str,
-    data_dir: str | Path | None,
-    num_fewshot: int,
-    limit: int | float | None,
-    batch_size: int,
-    seed: int,
-    settings: dict[str, Any],
-    kernels: str,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Generate and score a summary per document. Returns (record fields, per-document outputs)."""
-    import torch
-    from tqdm import tqdm
+def _check_settings(settings: Mapping[str, Any]) -> None:
+    for key in ("max_new_tokens", "max_words"):
+        value = settings[key]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"generation.{key}={value!r}: use an integer >= 1, or null for the task's default")
 
-    from h2o_eval.cache import EvictionCache
 
-    form = template(task)
-    documents = load_documents(task, data_dir)
-    count = len(documents) if limit is None else (limit if isinstance(limit, int) else int(limit * len(documents)))
-    indices = list(range(min(count, len(documents))))
-    max_words = settings["max_words"] or form["max_words"]
-    max_new_tokens = settings["max_new_tokens"] or form["max_new_tokens"]
-    prompts = build_prompts(documents, form, indices, num_fewshot, seed, max_words)
-    parts = [split_question(p, form["question"]) if protocol == "context" else (p, "") for p in prompts]
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    entry_bytes = 2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
+class SummarisationRunner(Runner):
+    """Generate and score a summary per document."""
 
-    outputs: list[dict[str, Any]] = []
-    generated_tokens = decode_seconds = peak_entries = full_entries = 0
-    progress = tqdm(total=len(indices), desc=f"generating {task['name']}", unit="doc")
-    for start in range(0, len(indices), batch_size):
-        input_ids, attention_mask, width = encode(tokenizer, parts[start : start + batch_size], protocol, device)
-        cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels)
-        torch.manual_seed(seed + start)
-        began = time.perf_counter()
-        sequences = generate(
-            model,
-            cache,
-            input_ids,
-            attention_mask,
-            width,
-            max_new_tokens=max_new_tokens,
-            do_sample=settings["sample"],
-            temperature=settings["temperature"] if settings["sample"] else None,
-            top_p=settings["top_p"] if settings["sample"] else None,
-            top_k=None,
-            stop_strings=[form["stop"]],
-            tokenizer=tokenizer,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        decode_seconds += time.perf_counter() - began
-        new_tokens = sequences[:, input_ids.shape[1] :]
-        prompt_lengths = attention_mask.sum(-1).tolist()
-        peak_entries = max(peak_entries, cache.peak_entries)
-        # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
-        full_entries = max(full_entries, max(prompt_lengths) + new_tokens.shape[1] - 1)
-        capacity = cache.capacity()
-        for row, index in enumerate(indices[start : start + batch_size]):
-            padding = new_tokens[row] == tokenizer.pad_token_id
-            length = int(padding.int().argmax()) if bool(padding.any()) else new_tokens.shape[1]
-            tokens = new_tokens[row]
-            text = tokenizer.decode(tokens[:length], skip_special_tokens=True).split(form["stop"])[0].strip()
-            generated_tokens += length
-            outputs.append(
-                {
-                    "id": documents[index][form["fields"]["id"]],
-                    "prediction": text,
-                    "reference": documents[index][form["fields"]["summary"]],
-                    "prompt_tokens": prompt_lengths[row],
-                    "generated_tokens": length,
-                    "capacity": min(round(float(capacity[row]), 2), prompt_lengths[row] + length),
-                    "budget_tokens": cache.lengths[row],
-                }
+    name = "summarisation"
+
+    def default_protocol(self, task: Mapping[str, Any]) -> str:
+        return "prefill"
+
+    def default_fewshot(self, task: Mapping[str, Any]) -> int:
+        return template(task)["num_fewshot"]
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        _check_settings(config["generation"])
+        task = config["task"]
+        for path in self.data_files(task, config["data_dir"]):
+            read_jsonl(path, tuple(template(task)["fields"].values()))
+        if config["data_dir"] is None:
+            hub.check_dataset(task["name"], task["hub"]["path"])
+
+    def data_files(self, task: Mapping[str, Any], data_dir: str | Path | None) -> list[Path]:
+        return [] if data_dir is None else [local_data_file(task, data_dir)]
+
+    def identity(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return {"generation": config["generation"]}
+
+    def evaluate(self, model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]) -> Evaluation:
+        """A summary per document (the first ``limit``), ``batch_size`` at a time; ROUGE against the reference."""
+        import torch
+        from tqdm import tqdm
+
+        from h2o_eval import generation
+
+        task, protocol, settings = config["task"], config["protocol"], config["generation"]
+        form = template(task)
+        documents = load_documents(task, config["data_dir"])
+        limit = config["limit"]
+        count = len(documents) if limit is None else (limit if isinstance(limit, int) else int(limit * len(documents)))
+        indices = list(range(min(count, len(documents))))
+        max_words = settings["max_words"] or form["max_words"]
+        max_new_tokens = settings["max_new_tokens"] or form["max_new_tokens"]
+        prompts = build_prompts(documents, form, indices, config["num_fewshot"], config["seed"], max_words)
+        if protocol == "context":
+            parts = [split_question(p, form["question"]) for p in prompts]
+            contexts = [tokenizer(c).input_ids for c, _ in parts]
+            questions = [tokenizer(q, add_special_tokens=False).input_ids for _, q in parts]
+        else:
+            contexts, questions = [tokenizer(p).input_ids for p in prompts], [[] for _ in prompts]
+        device = next(model.parameters()).device
+        log = generation.GenerationLog(max_new_tokens=max_new_tokens)
+        ends = generation.end_tokens(tokenizer)
+        outputs: list[dict[str, Any]] = []
+        progress = tqdm(total=len(indices), desc=f"generating {task['name']}", unit="doc")
+        batch_size = config["batch_size"]
+        for start in range(0, len(indices), batch_size):
+            rows = slice(start, start + batch_size)
+            batch = generation.make_batch(
+                contexts[rows], questions[rows], tokenizer.pad_token_id, device, split=protocol == "context"
             )
-        progress.update(len(indices[start : start + batch_size]))
-        progress.set_postfix(tokens_per_s=f"{generated_tokens / decode_seconds:.1f}")
-    progress.close()
-
-    scores = rouge([o["prediction"] for o in outputs], [o["reference"] for o in outputs])
-    for output, score in zip(outputs, scores, strict=True):
-        output["scores"] = score
-    n = max(len(outputs), 1)
-    prompt_mean = sum(o["prompt_tokens"] for o in outputs) / n
-    fields = {
-        "metrics": {name: sum(s[name] for s in scores) / n for name in ROUGE_TYPES},
-        "n_samples": len(outputs),
-        "generation": {
-            "num_fewshot": num_fewshot,
+            torch.manual_seed(config["seed"] + start)
+            generated = generation.run_batch(
+                model,
+                policy,
+                batch,
+                log,
+                ends,
+                protocol=protocol,
+                kernels=config["kernels"],
+                max_new_tokens=max_new_tokens,
+                do_sample=settings["sample"],
+                temperature=settings["temperature"] if settings["sample"] else None,
+                top_p=settings["top_p"] if settings["sample"] else None,
+                top_k=None,
+                stop_strings=[form["stop"]],
+                tokenizer=tokenizer,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            for row, index in zip(generated, indices[rows], strict=True):
+                text = tokenizer.decode(row.pop("tokens"), skip_special_tokens=True).split(form["stop"])[0].strip()
+                document = documents[index]
+                outputs.append(
+                    {
+                        "id": document[form["fields"]["id"]],
+                        "prediction": text,
+                        "reference": document[form["fields"]["summary"]],
+                        **row,
+                    }
+                )
+            progress.update(len(generated))
+            progress.set_postfix(tokens_per_s=f"{log.fields()['generation']['generated_tokens_per_s']:.1f}")
+        progress.close()
+        scores = rouge([o["prediction"] for o in outputs], [o["reference"] for o in outputs])
+        for output, score in zip(outputs, scores, strict=True):
+            output["scores"] = score
+        n = max(len(outputs), 1)
+        fields = {
+            "metrics": {name: sum(s[name] for s in scores) / n for name in ROUGE_TYPES},
+            "n_samples": len(outputs),
+            **log.fields(),
+        }
+        fields["generation"] |= {
+            "num_fewshot": config["num_fewshot"],
             "max_words": max_words,
-            "max_new_tokens": max_new_tokens,
             "sample": settings["sample"],
-            "prompt_tokens_mean": prompt_mean,
-            "generated_tokens_mean": generated_tokens / n,
-            "generated_tokens_per_s": generated_tokens / decode_seconds if decode_seconds else 0.0,
-            "kv_peak_entries": peak_entries,
-            "kv_peak_bytes": peak_entries * entry_bytes,
-            "kv_full_entries": full_entries,
-            "kv_full_bytes": full_entries * entry_bytes,
-        },
-        "capacity": capacity_stats(outputs),
-    }
-    return fields, outputs
+        }
+        return Evaluation(fields, outputs)
 
 
-def capacity_stats(outputs: list[dict[str, Any]]) -> dict[str, float]:
-    """The record's ``capacity`` of a generation run, from its per-document outputs (the ``capacity`` each one's
-    cache had, and ``budget_tokens``, the length its budget applied to: the prompt, or the context under
-    ``protocol=context``), as the log-likelihood runs report it: the full cache keeps 100 %."""
-    n = max(len(outputs), 1)
-    return {
-        "sequences": len(outputs),
-        "length_mean": sum(o["budget_tokens"] for o in outputs) / n,
-        "capacity_mean": sum(o["capacity"] for o in outputs) / n,
-        "capacity_min": min((o["capacity"] for o in outputs), default=0),
-        "capacity_max": max((o["capacity"] for o in outputs), default=0),
-        "kept_fraction_mean": sum(o["capacity"] / o["budget_tokens"] for o in outputs) / n,
-    }
+RUNNER = SummarisationRunner()

@@ -1,0 +1,103 @@
+"""Task runners: one per task family, each implementing :class:`Runner`, chosen by the task config's ``runner``.
+
+Nothing outside a runner branches on what kind of task runs: the CLI's validation, the task-dependent defaults of
+``conf/config.yaml``, the record's identity and data fingerprint, and the grid ask the runner.
+
+- ``lm_eval`` (:mod:`h2o_eval.runners.lmeval`): any lm-eval task, log-likelihood or ``generate_until``, with
+  lm-eval's own YAMLs (the paper's six tasks, or ``task=lm_eval task.name=...``);
+- ``summarisation`` (:mod:`h2o_eval.runners.summarisation`): XSUM and CNN/DM with HELM-style prompts
+  (``tasks/<template>.yaml``), scored with ROUGE;
+- ``long_context`` (:mod:`h2o_eval.runners.long_context`): the synthetic RULER-style tasks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import import_module, resources
+from pathlib import Path
+from typing import Any, ClassVar
+
+import yaml
+
+from h2o_eval.errors import ConfigError
+
+# Runner name (a task config's ``runner``) -> the module defining it as ``RUNNER``; imported on first use, so that
+# asking a task's defaults never loads lm-eval or torch.
+RUNNERS = {
+    "lm_eval": "h2o_eval.runners.lmeval",
+    "summarisation": "h2o_eval.runners.summarisation",
+    "long_context": "h2o_eval.runners.long_context",
+}
+
+
+@dataclass
+class Evaluation:
+    """What a runner's evaluation gives the record: its ``fields`` (``metrics``, ``n_samples``, ``capacity``, and
+    what the family adds), the per-document ``outputs`` (each row with its ``id`` and ``scores``), and a table to
+    print (lm-eval's), if any."""
+
+    fields: dict[str, Any]
+    outputs: list[dict[str, Any]]
+    table: str | None = None
+
+
+class Runner:
+    """A task family: its settings and their validation, the data it reads, its defaults, and its evaluation."""
+
+    name: ClassVar[str]
+
+    def default_protocol(self, task: Mapping[str, Any]) -> str:
+        """The protocol when none is given: ``simulate`` for log-likelihood tasks, ``prefill`` for generation."""
+        raise NotImplementedError
+
+    def default_fewshot(self, task: Mapping[str, Any]) -> int:
+        return 0
+
+    def generates(self, task: Mapping[str, Any]) -> bool:
+        """Whether the task generates text (and so needs a policy that runs as a cache)."""
+        return True
+
+    def check(self, config: Mapping[str, Any]) -> None:
+        """Every task setting and data file, refused with one line naming the fix, before any model loads."""
+
+    def data_files(self, task: Mapping[str, Any], data_dir: str | Path | None) -> list[Path]:
+        """The local files whose content the results depend on (the record's identity hashes them); none when
+        the data comes from the hub. Each must exist."""
+        return []
+
+    def identity(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        """Settings outside the task group that change this family's numbers (summarisation's ``generation``)."""
+        return {}
+
+    def evaluate(self, model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]) -> Evaluation:
+        raise NotImplementedError
+
+    def shares_prompts(self, config: Mapping[str, Any]) -> bool:
+        """Whether cells that differ only in policy, budget and protocol can share their prompt pass
+        (:meth:`evaluate_shared`)."""
+        return False
+
+    def evaluate_shared(
+        self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
+    ) -> list[Evaluation]:
+        """:meth:`evaluate` of several (policy, config) cells at once; by default one after the other."""
+        return [self.evaluate(model, tokenizer, policy, config) for policy, config in cells]
+
+
+def runner_of(task: Mapping[str, Any]) -> Runner:
+    """The runner a task config names (``runner``)."""
+    name = task.get("runner")
+    if name not in RUNNERS:
+        raise ConfigError(f"task.runner={name!r}: use one of {', '.join(RUNNERS)}")
+    return import_module(RUNNERS[name]).RUNNER
+
+
+def task_registry() -> dict[str, dict[str, Any]]:
+    """Every task name mapped to its config (the contents of ``conf/task/<name>.yaml``), as the CLI sees it."""
+    folder = resources.files("h2o_eval.conf") / "task"
+    return {
+        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    }
