@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from h2o_eval.eviction import Chunk  # noqa: E402
-from h2o_eval.policies import Rule  # noqa: E402
+from h2o_eval.policies import POLICIES, Rule, example_policy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Every tiny random family (conf/model/tiny-*.yaml); tiny-gemma3's sliding layers (window 8) are crossed by every
@@ -77,6 +77,21 @@ def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+def registered(protocol: str, *, cache: bool = True, evicting: bool = False) -> list[str]:
+    """Every registered policy that exists in ``protocol``, as its class declares; with ``cache``, only those that
+    run as a cache; with ``evicting``, only those whose example evicts from a 64-token sequence at a budget of 0.2.
+    The generic suites iterate over these, so a new policy (its file and registry entry) takes part in every one."""
+    names = []
+    for name, cls in POLICIES.items():
+        policy = example_policy(name, 0.2)
+        if protocol not in cls.protocols or (cache and not policy.has_cache):
+            continue
+        if evicting and policy.capacity(64) >= 64:
+            continue
+        names.append(name)
+    return names
+
+
 RULES = {
     "h2o": Rule(votes="all"),
     "tova": Rule(votes="all", combine="replace"),  # per KV head
@@ -87,6 +102,11 @@ RULES = {
     "adakv": Rule(votes="window", window=2, pooling="max", kernel_size=3, grows=True, safeguard=0.3),
     "adakv_h2o": Rule(votes="all", safeguard=0.5),
 }
+# Every registered policy's own rule (its example's) takes part in the mechanism's suites too.
+for _name in POLICIES:
+    _rule = example_policy(_name).rule
+    if example_policy(_name).has_cache and _rule not in RULES.values():
+        RULES[f"policy:{_name}"] = _rule
 
 
 def make_chunk(batch, q_heads, kv_heads, n, state, rule, prefill, padding, seed=0, dim=16, dtype=torch.float32):

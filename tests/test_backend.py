@@ -6,22 +6,18 @@ import itertools
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, registered
 
 from h2o_eval import EvictionCache, load_model, make_policy, patch
 from h2o_eval.errors import ConfigError
+from h2o_eval.policies import POLICIES, example_policy
 
 FAMILIES = TINY
-EVICTING = ["h2o", "local", "heavy", "streaming", "tova", "random"]
-ALL = ["full", *EVICTING, "h2o_reference"]
-# Compress the prompt, then keep every later token (prefill and context protocols only); small windows so that a
-# short test prompt is really compressed.
-PROMPT_ONLY = {
-    "snapkv": {"window": 4},
-    "pyramidkv": {"window": 4},
-    "adakv": {"window": 4},
-    "knorm": {},
-}
+# The generic suites take every registered policy its class allows (conftest.registered), with its example
+# parameters; the family coverage below runs two policies of different kinds on every other family.
+EVICTING = registered("simulate", evicting=True)
+# Policies that exist only in the prompt-compressing protocols (prefill, context), as their classes declare.
+PROMPT_ONLY = [name for name in registered("prefill") if "simulate" not in POLICIES[name].protocols]
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +39,9 @@ def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
 @torch.no_grad()
 def step_by_step(model, ids, cache, first: int = 1) -> torch.Tensor:
     """Feed ``ids[:, :first]`` as one chunk, then one token at a time, through ``cache``."""
-    logits = [model(ids[:, :first], past_key_values=cache, use_cache=True).logits]
+    logits = [model(ids[:, :first], cache=cache, use_cache=True).logits]
     for i in range(first, ids.shape[1]):
-        logits.append(model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+        logits.append(model(ids[:, i : i + 1], cache=cache, use_cache=True).logits)
     return torch.cat(logits, dim=1)
 
 
@@ -55,18 +51,19 @@ def test_full_and_whole_sequence_budgets_reproduce_the_unpatched_model(models, f
     ids = tokens(2, 24)
     with torch.no_grad():
         plain = model(ids).logits
-        for name in ALL:
-            # The authors' simulation keeps int(0.5 T) - 1 heavy keys that may overlap its recent band: at a budget
-            # of the whole sequence it can still drop old keys (it does on Qwen3 and Gemma 3); beyond it, it cannot.
-            for budget in (100,) if name == "h2o_reference" else (1.0, 24, 100):
-                with patch(model, make_policy(name, budget=budget)):
-                    patched = model(ids).logits
-                assert (patched - plain).abs().max() <= 1e-5, (name, budget)
-        for name, params in PROMPT_ONLY.items():
-            with patch(model, make_policy(name, budget=1.0, **params), protocol="prefill") as session:
-                session.context_lengths = [16, 16]
-                patched = model(ids).logits
-            assert (patched - plain).abs().max() <= 1e-5, name
+        for name, cls in POLICIES.items():
+            for protocol in cls.protocols:
+                # A cache of the whole sequence evicts nothing. The authors' simulation (no cache) keeps
+                # int(0.5 T) - 1 heavy keys that may overlap its recent band: at a budget of the whole sequence it
+                # can still drop old keys (it does on Qwen3 and Gemma 3); beyond it, it cannot. A policy that grows
+                # after its prompt keeps the 8 tokens after a 16-token context; one that evicts needs it all.
+                budgets = (1.0, 24, 100) if example_policy(name).has_cache else (100,)
+                context = 16 if example_policy(name).rule.grows else 24
+                for budget in budgets:
+                    with patch(model, example_policy(name, budget), protocol=protocol) as session:
+                        session.context_lengths = [context, context]
+                        patched = model(ids).logits
+                    assert (patched - plain).abs().max() <= 1e-5, (name, protocol, budget)
         assert torch.equal(model(ids).logits, plain), "the model changed after patch() exited"
 
 
@@ -88,7 +85,7 @@ def test_simulate_equals_token_by_token_eviction_cache(models, family, name, ker
     family); Gemma 3's sliding layers hold their last 7 tokens, its global layer C."""
     model = models(family)
     ids = tokens(2, 64, seed=1)
-    policy = make_policy(name, budget=0.2)
+    policy = example_policy(name, 0.2)
     with torch.no_grad(), patch(model, policy, kernels=kernels):
         simulated = model(ids).logits
     cache = EvictionCache(model, policy, length=64, kernels=kernels)
@@ -104,8 +101,9 @@ def test_simulate_equals_token_by_token_eviction_cache(models, family, name, ker
     [
         (family, name, protocol)
         for family in ("tiny-llama", "tiny-opt")
-        for name in ("h2o", "local", "streaming", "tova", *PROMPT_ONLY)
+        for name in registered("prefill", evicting=True)
         for protocol in ("prefill", "context")
+        if protocol in POLICIES[name].protocols
     ]
     + [
         (family, name, "prefill")
@@ -120,7 +118,7 @@ def test_prefill_protocol_equals_prefill_compress_then_decode(models, family, na
     C = 10, so the continuation's 24 tokens each evict one (or, for policies that grow, are all kept)."""
     model = models(family)
     ids = tokens(1, 64, seed=2)
-    policy = make_policy(name, budget=0.25, **PROMPT_ONLY.get(name, {}))
+    policy = example_policy(name, 0.25)
     with torch.no_grad(), patch(model, policy, protocol=protocol) as session:
         session.context_lengths = [40]
         one_pass = model(ids).logits
@@ -139,7 +137,7 @@ def test_prefill_compression_keeps_protected_and_top_column_sums(models):
     ids = tokens(1, 30, seed=3)
     policy = make_policy("h2o", budget=0.4)  # C = 12: 6 recent + 6 heavy
     cache = EvictionCache(model, policy, protocol="prefill")
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, cache=cache, use_cache=True)
     previous = model.config._attn_implementation
     model.set_attn_implementation("eager")
     attentions = model(ids, output_attentions=True).attentions
@@ -156,13 +154,13 @@ def test_prefill_compression_keeps_protected_and_top_column_sums(models):
 @pytest.mark.parametrize("name", EVICTING)
 def test_cache_never_exceeds_capacity_and_keeps_protected_tokens(models, name):
     model = models("tiny-llama")
-    policy = make_policy(name, budget=10, **({"sinks": 3} if name == "streaming" else {}))
+    policy = example_policy(name, 10)
     plan = policy.plan(48)
     cache = EvictionCache(model, policy)
     ids = tokens(2, 48, seed=4)
     with torch.no_grad():
         for step in range(48):
-            model(ids[:, step : step + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, step : step + 1], cache=cache, use_cache=True)
             for layer in cache.layers:
                 held = layer.held.sum(-1)
                 assert (held == min(step + 1, plan.capacity)).all()
@@ -175,8 +173,14 @@ def test_cache_never_exceeds_capacity_and_keeps_protected_tokens(models, name):
 
 @pytest.mark.parametrize(
     ("family", "name", "protocol"),
-    [("tiny-llama", name, protocol) for name in EVICTING for protocol in ("simulate", "prefill")]
-    + [("tiny-llama", "h2o_reference", "simulate")]
+    [
+        ("tiny-llama", name, protocol)
+        for name in dict.fromkeys(
+            registered("prefill", evicting=True) + registered("simulate", cache=False, evicting=True)
+        )
+        for protocol in ("simulate", "prefill")
+        if protocol in POLICIES[name].protocols
+    ]
     + [(family, "h2o", protocol) for family in FAMILIES[1:] for protocol in ("simulate", "prefill")],
 )
 def test_right_padded_batch_equals_each_sequence_alone(models, family, name, protocol):
@@ -184,7 +188,7 @@ def test_right_padded_batch_equals_each_sequence_alone(models, family, name, pro
     lengths, contexts = [40, 27, 33], [30, 20, 9]
     ids = tokens(3, 40, seed=5)
     mask = torch.arange(40).expand(3, 40) < torch.tensor(lengths).unsqueeze(1)
-    policy = make_policy(name, budget=0.3)
+    policy = example_policy(name, 0.3)
     with torch.no_grad(), patch(model, policy, protocol=protocol) as session:
         session.context_lengths = contexts
         batched = model(ids, attention_mask=mask.long()).logits
@@ -220,7 +224,7 @@ def test_tiny_sequences_and_tiny_budgets_run(models):
         with patch(model, make_policy("h2o", budget=0.05)) as session:
             out = model(ids).logits
         assert torch.isfinite(out).all()
-        assert session.capacities[-1] == (length, 1)
+        assert (session.capacity.lengths[-1], session.capacity.layers[-1]) == (length, [1, 1])
 
 
 def random_model(model_type: str, **params):
@@ -286,7 +290,7 @@ def test_a_window_on_every_layer_bounds_the_sequence(models):
     cache = EvictionCache(model, make_policy("h2o", budget=8))
     step_by_step(model, tokens(1, 16, seed=10) % 100, cache)
     with pytest.raises(ConfigError, match="longer than the sliding window"):
-        model(tokens(1, 1) % 100, past_key_values=cache, use_cache=True)
+        model(tokens(1, 1) % 100, cache=cache, use_cache=True)
 
 
 @torch.no_grad()
@@ -343,7 +347,7 @@ def test_h2o_reference_is_simulate_only(models):
         EvictionCache(models("tiny-llama"), make_policy("h2o_reference"))
 
 
-@pytest.mark.parametrize("name", list(PROMPT_ONLY))
+@pytest.mark.parametrize("name", PROMPT_ONLY)
 def test_prompt_compressing_policies_refuse_simulate_in_one_line(models, name):
     model = models("tiny-llama")
     with (
@@ -375,7 +379,7 @@ def test_snapkv_keeps_the_window_and_the_top_pooled_window_votes(models, pooling
     ids = tokens(1, 40, seed=7)
     policy = make_policy("snapkv", budget=12, window=6, kernel_size=5, pooling=pooling)
     cache = EvictionCache(model, policy, protocol="prefill")
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, cache=cache, use_cache=True)
     pool = torch.nn.functional.max_pool1d if pooling == "max" else torch.nn.functional.avg_pool1d
     for layer, weights in enumerate(eager_attentions(model, ids)):
         votes = weights[0, :, -6:, :34].view(2, 2, 6, 34).sum(dim=(1, 2))  # [KV heads, positions before the window]
@@ -396,9 +400,9 @@ def test_knorm_keeps_the_smallest_key_norms_and_the_recent_window(models):
     model = models("tiny-llama")
     ids = tokens(1, 30, seed=8)
     plain = DynamicCache(config=model.config)
-    model(ids, past_key_values=plain, use_cache=True)
+    model(ids, cache=plain, use_cache=True)
     cache = EvictionCache(model, make_policy("knorm", budget=10), protocol="prefill")
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, cache=cache, use_cache=True)
     for layer in range(2):
         norms = plain.layers[layer].keys[0].norm(dim=-1)  # [KV heads, 30]
         for head in range(2):
@@ -408,29 +412,27 @@ def test_knorm_keeps_the_smallest_key_norms_and_the_recent_window(models):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", [*PROMPT_ONLY, "h2o", "tova", "streaming"])
+@pytest.mark.parametrize("name", registered("prefill", evicting=True))
 def test_capacity_after_the_prompt_holds_at_every_step_per_layer_and_head(models, name):
     """Prefill 30 tokens at C = 12, then 10 decode steps. Evicting policies hold exactly C per (layer, head) at
     every step; policies that grow hold what compression kept plus every later token: per layer (PyramidKV's C
-    falls with depth), per head (Ada-KV's heads differ, their layer summing to Hkv * C)."""
+    falls with depth), per head (heads that share their layer's slots differ, their layer summing to Hkv * C)."""
     model = models("tiny-llama")
-    policy = make_policy(name, budget=12, **PROMPT_ONLY.get(name, {}))
+    policy = example_policy(name, 12)
     ids = tokens(2, 40, seed=9)
     cache = EvictionCache(model, policy, protocol="prefill")
-    model(ids[:, :30], past_key_values=cache, use_cache=True)
+    model(ids[:, :30], cache=cache, use_cache=True)
     after_prompt = [layer.held.sum(-1).clone() for layer in cache.layers]
     for layer, held in enumerate(after_prompt):
         planned = policy.plan(30, layer, 2).capacity
-        if name == "adakv":
-            assert (held.sum(-1) == 2 * planned).all() and (held >= 4).all()
+        if policy.rule.safeguard is not None:
+            assert (held.sum(-1) == 2 * planned).all() and (held >= policy.plan(30, layer, 2).recent).all()
         else:
             assert (held == planned).all()
-    if name == "pyramidkv":
-        assert after_prompt[0].float().mean() > after_prompt[1].float().mean()
     for step in range(30, 40):
-        model(ids[:, step : step + 1], past_key_values=cache, use_cache=True)
+        model(ids[:, step : step + 1], cache=cache, use_cache=True)
         for layer, held in zip(cache.layers, after_prompt, strict=True):
-            grown = step - 29 if name in PROMPT_ONLY else 0
+            grown = step - 29 if policy.rule.grows else 0
             assert torch.equal(layer.held.sum(-1), held + grown)
             recent = set(range(step + 1 - policy.plan(30).recent, step + 1))
             for b, h in itertools.product(range(2), range(2)):
@@ -447,14 +449,14 @@ def test_tova_keeps_one_token_set_per_layer_as_its_authors_do(models):
     alike = {}
     for heads in ("layer", "kv"):
         cache = EvictionCache(model, make_policy("tova", budget=12, heads=heads), protocol="prefill")
-        model(ids[:, :30], past_key_values=cache, use_cache=True)
+        model(ids[:, :30], cache=cache, use_cache=True)
         same = []
         for step in range(30, 41):
             for layer in cache.layers:
                 kept = [sorted(layer.position[b, h][layer.held[b, h]].tolist()) for b in range(2) for h in range(2)]
                 same.append(kept[0] == kept[1] and kept[2] == kept[3])
             if step < 40:
-                model(ids[:, step : step + 1], past_key_values=cache, use_cache=True)
+                model(ids[:, step : step + 1], cache=cache, use_cache=True)
         alike[heads] = all(same)
     assert alike == {"layer": True, "kv": False}
 
@@ -463,4 +465,4 @@ def test_fraction_budget_without_a_length_is_refused_token_by_token(models):
     model = models("tiny-llama")
     cache = EvictionCache(model, make_policy("h2o", budget=0.2))
     with pytest.raises(ConfigError, match="a fraction budget needs a length"):
-        model(tokens(1, 1), past_key_values=cache, use_cache=True)
+        model(tokens(1, 1), cache=cache, use_cache=True)

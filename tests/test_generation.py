@@ -8,13 +8,23 @@ import weakref
 
 import pytest
 import torch
-from conftest import make_config
+from conftest import make_config, registered
 
 from h2o_eval import EvictionCache, load_model, make_policy
-from h2o_eval.generation import build_prompts, encode, generate, rouge, template
+from h2o_eval.generation import Batch, feed_context, generate, make_batch
+from h2o_eval.policies import POLICIES, example_policy
 from h2o_eval.run import run
+from h2o_eval.runners.summarisation import build_prompts, rouge, template
 
-EVICTING = ["h2o", "local", "heavy", "streaming", "tova", "random"]
+
+def encode(tokenizer, parts, protocol):
+    """(context, question) texts as the summarisation runner tokenizes them: apart under ``context``, whole else."""
+    if protocol == "context":
+        contexts = [tokenizer(c).input_ids for c, _ in parts]
+        questions = [tokenizer(q, add_special_tokens=False).input_ids for _, q in parts]
+    else:
+        contexts, questions = [tokenizer(c + q).input_ids for c, q in parts], [[] for _ in parts]
+    return make_batch(contexts, questions, tokenizer.pad_token_id, "cpu", split=protocol == "context")
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +51,7 @@ def test_full_policy_generates_exactly_what_plain_generate_does(tiny):
     for protocol in ("prefill", "simulate"):
         cache = EvictionCache(model, make_policy("full"), protocol=protocol)
         full = model.generate(
-            **batch, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=cache
+            **batch, max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id, cache=cache
         )
         assert torch.equal(full, plain)
 
@@ -57,7 +67,8 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(tiny, protocol)
     gc.disable()
     try:
         cache = EvictionCache(model, make_policy("h2o", budget=0.5), protocol=protocol)
-        generate(model, cache, batch["input_ids"], batch["attention_mask"], width, max_new_tokens=4, do_sample=False)
+        feed_context(model, cache, Batch(batch["input_ids"], batch["attention_mask"], width))
+        model.generate(**batch, cache=cache, max_new_tokens=4, do_sample=False)
         held = [weakref.ref(cache), *(weakref.ref(layer.keys) for layer in cache.layers)]
         del cache
         assert [ref() for ref in held] == [None] * len(held)
@@ -68,8 +79,12 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(tiny, protocol)
 @torch.no_grad()
 @pytest.mark.parametrize(
     ("name", "protocol"),
-    [(name, protocol) for name in EVICTING for protocol in ("prefill", "simulate")]
-    + [(name, "prefill") for name in ("snapkv", "pyramidkv", "adakv", "knorm")],
+    [
+        (name, protocol)
+        for name in registered("prefill", evicting=True)
+        for protocol in ("prefill", "simulate")
+        if protocol in POLICIES[name].protocols
+    ],
 )
 def test_a_budget_covering_prompt_and_output_changes_nothing(tiny, name, protocol):
     """Policies that evict hold 4 entries at most; those that grow after their prompt hold what they kept (4, or
@@ -77,22 +92,20 @@ def test_a_budget_covering_prompt_and_output_changes_nothing(tiny, name, protoco
     model, tokenizer = tiny
     batch = prompts_batch(tokenizer)
     plain = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    params = {"window": 2} if name in ("snapkv", "pyramidkv", "adakv") else {}
-    cache = EvictionCache(model, make_policy(name, budget=batch.input_ids.shape[1] + 16, **params), protocol=protocol)
+    cache = EvictionCache(model, example_policy(name, batch.input_ids.shape[1] + 16), protocol=protocol)
     evicting = model.generate(
-        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=cache
+        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, cache=cache
     )
     assert torch.equal(evicting, plain)
-    params |= {"sinks": 2} if name == "streaming" else {}
-    small = EvictionCache(model, make_policy(name, budget=4, **params), protocol=protocol)
+    small = EvictionCache(model, example_policy(name, 4), protocol=protocol)
     squeezed = model.generate(
-        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, past_key_values=small
+        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, cache=small
     )
     assert not torch.equal(squeezed, plain), "a 4-token cache changed nothing: the test proves nothing"
-    policy = make_policy(name, budget=4, **params)
+    policy = example_policy(name, 4)
     most = max(policy.plan(int(n), layer, 2).capacity for n in batch.attention_mask.sum(-1) for layer in range(2))
-    if name == "adakv":  # one KV head may take the layer's 2 x 4 slots but the other head's window of 2
-        assert most + 15 <= small.peak_entries <= 2 * 4 - 2 + 15
+    if policy.rule.safeguard is not None:  # one KV head may take the layer's 2 x 4 slots but the other's window
+        assert most + 15 <= small.peak_entries <= 2 * 4 - policy.plan(4).recent + 15
     else:
         assert small.peak_entries == (most + 15 if policy.rule.grows else 4)  # the last token is never fed
 
@@ -195,32 +208,34 @@ def test_full_policy_peak_kv_is_the_full_cache(tmp_path, data_dir):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv", "knorm"])
+@pytest.mark.parametrize("name", registered("context", evicting=True))
 def test_context_protocol_equals_compressing_the_context_then_feeding_the_question_token_by_token(tiny, name):
     """Reference: an EvictionCache(protocol="context") fed each document's context alone as one chunk, then its
     question one token at a time, then greedy decoding one token at a time; implementation: the runner's
-    encode() + generate(), a left-padded batch whose contexts are compressed before generate() feeds the
-    questions. Budget 0.3 of each context."""
+    generation path (make_batch + generate), a left-padded batch whose contexts are compressed before generate()
+    feeds the questions. Budget 0.3 of each context."""
     model, tokenizer = tiny
     question = "\n\nSummarize the above article in 1 sentence.\n"
     parts = [
         ("###\nArticle: The council met on Tuesday to discuss the new bridge over the river and its cost.", question),
         ("###\nArticle: Rain fell all week.", question),
     ]
-    policy = make_policy(name, budget=0.3, **({"window": 2} if name == "snapkv" else {}))
-    ids, mask, width = encode(tokenizer, parts, "context", "cpu")
-    cache = EvictionCache(model, policy, protocol="context")
-    batched = generate(model, cache, ids, mask, width, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    policy = example_policy(name, 0.3)
+    batch = encode(tokenizer, parts, "context")
+    ids, mask = batch.input_ids, batch.attention_mask
+    batched, _ = generate(
+        model, policy, batch, protocol="context", kernels="auto", max_new_tokens=6, do_sample=False, pad_token_id=0
+    )
     for row, (context, text) in enumerate(parts):
         alone = EvictionCache(model, policy, protocol="context")
         context_ids = torch.tensor([tokenizer(context).input_ids])
-        logits = model(context_ids, past_key_values=alone, use_cache=True).logits
+        logits = model(context_ids, cache=alone, use_cache=True).logits
         for token in tokenizer(text, add_special_tokens=False).input_ids:
-            logits = model(torch.tensor([[token]]), past_key_values=alone, use_cache=True).logits
+            logits = model(torch.tensor([[token]]), cache=alone, use_cache=True).logits
         generated = []
         for _ in range(6):
             generated.append(int(logits[0, -1].argmax()))
-            logits = model(torch.tensor([generated[-1:]]), past_key_values=alone, use_cache=True).logits
+            logits = model(torch.tensor([generated[-1:]]), cache=alone, use_cache=True).logits
         assert batched[row, ids.shape[1] :].tolist() == generated
         assert alone.capacity().item() == policy.capacity(context_ids.shape[1])
     plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -233,13 +248,21 @@ def test_context_protocol_with_an_empty_question_is_prefill(tiny):
     parts = [("###\nArticle: The council met on Tuesday to discuss the new bridge.", ""), ("###\nArticle: Rain.", "")]
     outputs = {}
     for protocol in ("prefill", "context"):
-        ids, mask, width = encode(tokenizer, parts, protocol, "cpu")
-        cache = EvictionCache(model, make_policy("h2o", budget=0.3), protocol=protocol)
-        outputs[protocol] = generate(model, cache, ids, mask, width, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        batch = encode(tokenizer, parts, protocol)
+        outputs[protocol], _ = generate(
+            model,
+            make_policy("h2o", budget=0.3),
+            batch,
+            protocol=protocol,
+            kernels="auto",
+            max_new_tokens=6,
+            do_sample=False,
+            pad_token_id=0,
+        )
     assert torch.equal(outputs["prefill"], outputs["context"])
 
 
 def test_context_batches_need_questions_of_one_length(tiny):
     _, tokenizer = tiny
     with pytest.raises(ValueError, match="questions of one length"):
-        encode(tokenizer, [("A.", "Why?"), ("B.", "Why on earth would it?")], "context", "cpu")
+        encode(tokenizer, [("A.", "Why?"), ("B.", "Why on earth would it?")], "context")

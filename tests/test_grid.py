@@ -7,15 +7,17 @@ import json
 
 import pytest
 import torch
-from conftest import make_config
+from conftest import make_config, registered
 
-from h2o_eval import grid, longcontext
+from h2o_eval import grid
 from h2o_eval.cache import EvictionCache, SharedPrompt
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import load_model
-from h2o_eval.policies import make_policy
-from h2o_eval.run import execute, policy_of, validate
+from h2o_eval.policies import configured_policy, example_policy, make_policy
+from h2o_eval.run import execute, validate
+from h2o_eval.runners.long_context import RUNNER
 
+# A fixed set of cells for the grid's own mechanics (configs need each policy's conf/policy YAML).
 POLICIES = [("full", 1.0), ("h2o", 0.3), ("tova", 0.3), ("snapkv", 0.3), ("adakv", 0.4), ("knorm", 0.3)]
 POLICIES += [("streaming", 0.3), ("local", 0.25)]
 
@@ -34,17 +36,18 @@ def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
     mask[0, :13] = 0
 
     def caches():
-        return [EvictionCache(model, make_policy(p, budget=b), protocol=protocol) for p, b in POLICIES]
+        return [EvictionCache(model, example_policy(name, 0.3), protocol=protocol) for name in registered(protocol)]
 
     def feed(cache):
         with torch.no_grad():
-            return model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            return model(ids, attention_mask=mask, cache=cache, use_cache=True).logits
 
     alone = caches()
     logits = [feed(cache) for cache in alone]
     together = caches()
     shared_logits = feed(SharedPrompt(together))
-    torch.testing.assert_close(shared_logits, logits[0], rtol=1e-4, atol=1e-4)  # policy 0 is full
+    full = registered(protocol).index("full")
+    torch.testing.assert_close(shared_logits, logits[full], rtol=1e-4, atol=1e-4)
     evicted = 0
     for one, other in zip(alone, together, strict=True):
         for a, b in zip(one.layers, other.layers, strict=True):
@@ -57,15 +60,14 @@ def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
                 if a.scores.shape == held.shape:  # a cache that never evicts keeps no scores
                     torch.testing.assert_close(b.scores[held], a.scores[held], rtol=1e-4, atol=1e-4)
                 evicted += int((~a.held).sum()) + (a.held.shape[-1] < 300)
-        assert one.prompt_held.keys() == other.prompt_held.keys()
-        for layer, kept in one.prompt_held.items():
-            assert torch.equal(kept, other.prompt_held[layer])
+        for a, b in zip(one.layers, other.layers, strict=True):
+            assert (a.kept is None) == (b.kept is None) and (a.kept is None or torch.equal(a.kept, b.kept))
     assert evicted > 0
 
 
 def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
-    """Reference: longcontext.evaluate, one cell at a time; implementation: evaluate_shared over all the cells,
-    in both protocols, batches of 3 (niah_multiquery's questions differ in length, so the context protocol
+    """Reference: the long-context runner's evaluate, one cell at a time; implementation: evaluate_shared over all
+    the cells, in both protocols, batches of 3 (niah_multiquery's questions differ in length, so the context protocol
     batches by length and pads)."""
     settings = {"model": "tiny-llama", "task": "niah_multiquery", "limit": 6, "batch_size": 3}
     settings |= {"task.length": 320, "task.max_new_tokens": 8}
@@ -75,10 +77,11 @@ def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
         for p, protocol, b in cells
     ]
     model, tokenizer = load_model("tiny-llama", device="cpu")
-    separate = [longcontext.evaluate(model, tokenizer, policy_of(c), c) for c in configs]
-    shared = longcontext.evaluate_shared(model, tokenizer, [(policy_of(c), c) for c in configs])
+    separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
+    shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
     answers = set()
-    for (fields, outputs), (shared_fields, shared_outputs) in zip(separate, shared, strict=True):
+    for one, together in zip(separate, shared, strict=True):
+        fields, outputs, shared_fields, shared_outputs = one.fields, one.outputs, together.fields, together.outputs
         keys = ("id", "prediction", "capacity", "generated_tokens", "scores")
         assert [[o[k] for k in keys] for o in shared_outputs] == [[o[k] for k in keys] for o in outputs]
         assert shared_fields["capacity"] == fields["capacity"] and shared_fields["metrics"] == fields["metrics"]

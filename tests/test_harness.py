@@ -8,9 +8,10 @@ import pytest
 import yaml
 from conftest import make_config
 
-from h2o_eval import harness
+from h2o_eval.eviction_lm import question_start
 from h2o_eval.models import load_model
 from h2o_eval.run import run
+from h2o_eval.runners import lmeval
 
 TASKS = ("copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande")
 
@@ -39,7 +40,7 @@ def test_run_acc_equals_lm_eval_simple_evaluate(tmp_path, data_dir, model_name):
     task_dir.mkdir()
     reference_yaml = {
         "task": "copa_reference",
-        "include": str(harness.lm_eval_tasks_dir() / "super_glue/copa/default.yaml"),
+        "include": str(lmeval.lm_eval_tasks_dir() / "super_glue/copa/default.yaml"),
         "dataset_path": "json",
         "dataset_name": None,
         "dataset_kwargs": {"data_files": {"validation": str(data_dir / "copa" / "validation.jsonl")}},
@@ -64,9 +65,9 @@ def test_run_acc_equals_lm_eval_simple_evaluate(tmp_path, data_dir, model_name):
 def test_every_task_loads_all_local_documents_with_lm_eval_prompts(tmp_path, data_dir, name):
     """Every document of the local file is evaluated, and the prompt fields are lm-eval's own."""
     task = make_config(data_dir, tmp_path, task=name)["task"]
-    path = harness.local_data_file(task, data_dir)
+    path = lmeval.local_data_file(task, data_dir)
     loaded = _load_local_task(tmp_path, data_dir, name)
-    original = yaml.load(harness.source_yaml(task).read_text(), Loader=_IgnoreTagsLoader)
+    original = yaml.load(lmeval.source_yaml(task).read_text(), Loader=_IgnoreTagsLoader)
 
     docs = list(loaded.eval_docs)
     assert len(docs) == sum(1 for _ in path.open())
@@ -98,7 +99,7 @@ def _load_local_task(tmp_path, data_dir, name):
     from lm_eval.tasks import TaskManager
 
     task = make_config(data_dir, tmp_path, task=name)["task"]
-    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(harness.task_yaml(task, data_dir)))
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(lmeval.task_yaml(task, data_dir)))
     return TaskManager(include_path=str(tmp_path), include_defaults=False).load([name])["tasks"][name]
 
 
@@ -130,7 +131,7 @@ def test_padded_lm_eval_batches_score_like_each_request_alone(protocol):
                 logprobs = torch.log_softmax(model(ids).logits[0, len(context) - 1 :], dim=-1)
             alone = logprobs.gather(-1, torch.tensor(continuation).unsqueeze(-1)).sum().item()
             assert got == pytest.approx(alone, abs=1e-4)
-    lengths = {n for n, _ in session.capacities}
+    lengths = set(session.capacity.lengths)
     assert len(lengths) > 1, "requests of one length prove nothing about padding"
 
 
@@ -146,7 +147,7 @@ def test_context_protocol_finds_where_the_demonstrations_end(tmp_path, data_dir,
         prompts = prompts if isinstance(prompts, list) else [prompts]
         assert len(prompts) == inputs
         for prompt in prompts:
-            start = harness.question_start(task, doc, prompt)
+            start = question_start(task, doc, prompt)
             demonstrations = prompt[:start]
             assert demonstrations.endswith(delimiter) and demonstrations.count(delimiter) == 3
             assert delimiter not in prompt[start:]

@@ -188,7 +188,7 @@ def test_eviction_cache_decodes_the_same_with_the_triton_kernel(name):
         cache = EvictionCache(model, make_policy(name, budget=6), kernels=kernels)
         with torch.no_grad():
             logits[kernels] = torch.cat(
-                [model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(24)], dim=1
+                [model(ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(24)], dim=1
             )
     assert (logits["torch"] - logits["triton"]).abs().max() <= 1e-4
 
@@ -207,9 +207,7 @@ def test_simulate_equals_token_by_token_with_triton_kernels(name):
         simulated = model(ids).logits
     cache = EvictionCache(model, policy, kernels="triton")
     with torch.no_grad():
-        stepped = torch.cat(
-            [model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(20)], dim=1
-        )
+        stepped = torch.cat([model(ids[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(20)], dim=1)
         plain = model(ids).logits
     assert (simulated - stepped).abs().max() <= 1e-4
     assert all(layer.keys.shape[2] == 5 for layer in cache.layers)

@@ -201,3 +201,59 @@ def test_a_group_is_refused_with_one_line_naming_the_fix(tmp_path):
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: task.name=both_tasks is an lm-eval group of several tasks: name its tasks")
+
+
+GENERATION_FIELDS = {
+    "max_new_tokens",
+    "prompt_tokens_mean",
+    "generated_tokens_mean",
+    "generated_tokens_per_s",
+    "kv_peak_entries",
+    "kv_peak_bytes",
+    "kv_full_entries",
+    "kv_full_bytes",
+}
+CAPACITY_FIELDS = {
+    "sequences",
+    "length_mean",
+    "capacity_mean",
+    "capacity_min",
+    "capacity_max",
+    "kept_fraction_mean",
+    "layer_capacity_mean",
+    "head_spread_mean",
+    "kv_bytes_mean",
+}
+ROW_FIELDS = {"id", "scores", "prompt_tokens", "generated_tokens", "capacity", "budget_tokens", "kv_entries"}
+
+
+def test_every_runner_that_generates_records_the_same_generation_and_capacity_fields(records, tmp_path, data_dir):
+    """lm-eval's generate_until (through EvictionLM), summarisation and a long-context task, each with h2o on the
+    tiny Llama: the record's ``generation`` and ``capacity`` hold the same keys (a runner may add its own), every
+    output row the same per-row fields, and the kept share is what the budget asks of the length it applied to."""
+    from conftest import make_config
+
+    from h2o_eval.run import run as run_config
+
+    generated = {"lm_eval": records[("gen_task", "h2o")]}
+    settings = {"model": "tiny-llama", "policy": "h2o", "budget": 0.1, "limit": 2, "batch_size": 2}
+    generated["summarisation"] = run_config(
+        make_config(data_dir, tmp_path / "xsum", task="xsum", num_fewshot=0, **settings,
+                    **{"generation.max_new_tokens": 4, "generation.max_words": 60}),
+        tmp_path / "work",
+    )  # fmt: skip
+    generated["long_context"] = run_config(
+        make_config(data_dir, tmp_path / "niah", task="niah_single", **settings,
+                    **{"task.length": 160, "task.max_new_tokens": 4}),
+        tmp_path / "work",
+    )  # fmt: skip
+    folders = {"lm_eval": None, "summarisation": tmp_path / "xsum", "long_context": tmp_path / "niah"}
+    for runner, record in generated.items():
+        assert set(record["generation"]) >= GENERATION_FIELDS, runner
+        assert set(record["capacity"]) == CAPACITY_FIELDS, runner
+        assert len(record["capacity"]["layer_capacity_mean"]) == 2, runner  # tiny-llama: one mean C per layer
+        assert 0.05 < record["capacity"]["kept_fraction_mean"] < 0.2, runner
+        if folders[runner] is not None:
+            rows = [json.loads(line) for line in (folders[runner] / record["outputs"]).read_text().splitlines()]
+            assert all(set(row) >= ROW_FIELDS for row in rows), runner
+            assert record["capacity"]["length_mean"] == sum(r["budget_tokens"] for r in rows) / len(rows)

@@ -14,11 +14,11 @@ from collections import Counter
 import pytest
 from conftest import make_config
 
-from h2o_eval import longcontext
 from h2o_eval.errors import ConfigError
-from h2o_eval.harness import task_registry
 from h2o_eval.models import load_model
 from h2o_eval.run import run, validate
+from h2o_eval.runners import long_context as longcontext
+from h2o_eval.runners import task_registry
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe")
 

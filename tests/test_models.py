@@ -7,7 +7,7 @@ import torch
 from conftest import TINY
 
 from h2o_eval import EvictionCache, load_model, make_policy, patch
-from h2o_eval.backend import layer_windows
+from h2o_eval.attention import layer_windows
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import registry
 
@@ -89,7 +89,7 @@ def test_gemma3_simulate_equals_token_by_token_eviction_cache():
         simulated = model.model(ids).last_hidden_state
     cache = EvictionCache(model, policy)
     stepped = torch.cat(
-        [model.model(ids[:, i : i + 1], past_key_values=cache, use_cache=True).last_hidden_state for i in range(48)], 1
+        [model.model(ids[:, i : i + 1], cache=cache, use_cache=True).last_hidden_state for i in range(48)], 1
     )
     scale = simulated.abs().max()  # Gemma's hidden states run into the hundreds: compare relative to them
     assert (simulated - stepped).abs().max() <= 1e-5 * scale
