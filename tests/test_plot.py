@@ -218,9 +218,9 @@ def test_paired_rows_compare_each_run_with_the_full_cache_document_by_document(p
         ("mean of 2 tasks", "local"),
     }  # tova is left out twice: other documents, and no per-document scores
     h2o, local = compared["copa", "h2o"]["paired"], compared["copa", "local"]["paired"]
-    assert h2o.difference == pytest.approx(2 / 40) and h2o.p_mcnemar == pytest.approx(0.5)  # 2 discordant pairs
-    assert not h2o.significant
-    assert local.difference == pytest.approx(-20 / 40) and local.p_mcnemar == pytest.approx(2 / 2**20)
+    assert h2o.difference == pytest.approx(2 / 40) and h2o.test.p == pytest.approx(1 / 4)  # 2 discordant pairs
+    assert not h2o.significant and h2o.test.name == "McNemar mid-p"
+    assert local.difference == pytest.approx(-20 / 40) and local.test.p == pytest.approx(1 / 2**20)
     assert local.significant
     piqa_local = compared["piqa", "local"]["paired"]
     mean = compared["mean of 2 tasks", "local"]
@@ -255,17 +255,19 @@ def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired
     table = (tmp_path / "plots" / "paired_full.md").read_text().splitlines()
     copa = {line.split(" | ")[3]: line for line in table if line.startswith("| copa ")}
     assert copa["local"].startswith(
-        "| copa | tiny-llama | simulate | local | 20% | acc | 40 | 0.250 | 0.750 | -0.500 ["
+        "| copa | tiny-llama | simulate | local | 20% | acc | 40 | 40 | 0.250 | 0.750 | -0.500 ["
     )
-    assert copa["local"].endswith(" * | 1.91e-06 |")
-    assert " * |" not in copa["h2o"]
+    assert copa["local"].endswith("] | 9.54e-07 * | McNemar mid-p |")  # the verdict follows p
+    assert copa["h2o"].endswith("] | 0.25 (too few documents differ for p < 0.05) | McNemar mid-p |")
+    assert "**Primary test (the verdict): p**" in table[0] and "McNemar" in table[0]
+    assert not any("omitted" in line for line in table)  # one question per document: McNemar is valid
     rows = plot.table(results.load_records(paired_dir))
     significant = frozenset(plot._setting(r) for r in plot.paired_rows(rows, paired_dir) if r["paired"].significant)
     figure = plot.figure(rows, "copa", significant)
     rings = [c for c in figure.axes[0].collections if isinstance(c, PathCollection) and len(c.get_offsets())]
     ringed = [c.get_offsets().tolist() for c in rings]
     assert ringed == [[[20.0, 0.25]]]  # local at 20 %, 10 of 40 right
-    assert "differs from full (95 % CI)" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert "differs from full (p < 0.05)" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
 
 
 def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
@@ -290,3 +292,38 @@ def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
     assert (tmp_path / "plots" / "niah_single@1024.png").is_file() and (
         tmp_path / "plots" / "niah_single@2048.png"
     ).is_file()
+
+
+def test_cells_with_several_questions_per_document_are_tested_by_document_and_say_mcnemar_is_omitted(tmp_path):
+    """Haystacks of four questions: a policy that loses whole documents is compared document by document."""
+    for policy, budget, lost in (("full", 1.0, 0), ("h2o", 0.25, 6)):
+        per_document = [[0.0] * 4] * lost + [[1.0] * 4] * (12 - lost)
+        long_record(tmp_path, "niah_single_2", policy, budget, per_document)
+    rows = plot.table(results.load_records(tmp_path))
+    (compared,) = plot.paired_rows(rows, tmp_path)
+    paired = compared["paired"]
+    assert (paired.n, paired.documents, paired.difference) == (48, 12, -0.5)
+    assert paired.test.name == "sign-flip by document" and paired.test.p == pytest.approx(2.0**-6)
+    table = plot.paired_markdown([compared]).splitlines()
+    assert any("McNemar's test is per question" in line and "omitted" in line for line in table)
+    assert table[-1].startswith(
+        "| niah_single_2@4096 | tiny-llama | context | h2o | 25% | string_match_all | 48 | 12 |"
+    )
+    assert table[-1].endswith(" | 0.0156 * | sign-flip by document |")
+
+
+def long_record(folder, task, policy, budget, per_document, protocol="context", length=4096, metric=None):
+    """A long-context record whose outputs hold each document's questions (``per_document``: a list of score
+    lists), with ids "<document>/<question>" as a haystack of several questions writes them."""
+    metric = metric or ("string_match_part" if task.startswith("qa") else "string_match_all")
+    outputs = [
+        {"id": f"{d}/{q}", "document": d, "depth": 50.0, "scores": {metric: float(score)}}
+        for d, scores in enumerate(per_document)
+        for q, score in enumerate(scores)
+    ]
+    name = f"{task}_{policy}_{budget}_{protocol}_{length}"
+    results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
+    record = fake_record(task, policy, budget, 0.0, protocol=protocol)
+    record |= {"length": length, "limit": None, "n_samples": len(outputs), "outputs": f"{name}.outputs.jsonl"}
+    record["metrics"] = {metric: sum(o["scores"][metric] for o in outputs) / len(outputs)}
+    results.write_record(folder / f"{name}.json", record)
