@@ -2,10 +2,11 @@
 
     python -m h2o_eval.plot [results_dir] [--task copa ...] [--model smollm2-135m ...] [--out DIR] [--at 0.2 ...]
 
-One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
-the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
-same numbers as ``summary.csv`` and ``summary.md`` (ending with what the runs cost, summed and elapsed);
-``--wandb-group`` logs them to a sweep's W&B group.
+One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars, the
+full cache of each model as a dashed reference and the oracle (policy ``oracle``) as a dotted one, the budget in
+percent of what it is a share of (the sequence, the prompt or the context, by protocol); points of different
+lines at one budget are drawn slightly apart. Also writes the same numbers as ``summary.csv`` and ``summary.md``
+(ending with what the runs cost, summed and elapsed); ``--wandb-group`` logs them to a sweep's W&B group.
 
 Every run is compared, question by question, with the full cache (or with ``--against POLICY`` at the same
 budget and protocol) on the same documents: ``paired_<against>.md`` holds the difference with its
@@ -262,39 +263,83 @@ def paired_markdown(compared: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+BUDGET_SHARE = {"simulate": "the sequence", "prefill": "the prompt", "context": "the context"}
+
+
+REFERENCE_POLICIES = ("full", "oracle")
+
+
+ORACLE_LABEL = "oracle (not deployable)"
+
+
+def budget_label(protocols: list[str], what: str = "KV cache budget") -> str:
+    """The budget axis's label: what the budget is a share of, by protocol (each named when there are several)."""
+    if len(protocols) == 1:
+        return f"{what} (% of {BUDGET_SHARE[protocols[0]]})"
+    return f"{what} (% of " + ", of ".join(f"{BUDGET_SHARE[p]} for {p}" for p in protocols) + ")"
+
+
+def _offset(ax: Any, index: int, count: int, points: float = 3.0) -> Any:
+    """A data transform that draws line ``index`` of ``count`` shifted sideways by a few points, so that points
+    of different lines at one x stay apart; the data keep their true x."""
+    from matplotlib.transforms import ScaledTranslation
+
+    shift = (index - (count - 1) / 2) * points / 72
+    return ax.transData + ScaledTranslation(shift, 0, ax.figure.dpi_scale_trans)
+
+
 def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] = frozenset()) -> Any:
-    """The accuracy-vs-budget figure of one task (a matplotlib Figure). Records scored on different ``limit``s
-    are never joined: each limit gets lines of its own, named in the legend. Points whose setting (see
-    :func:`_setting`) is in ``significant`` are ringed: they differ from the full cache beyond chance."""
+    """The accuracy-vs-budget figure of one task (a matplotlib Figure). The full cache is a dashed horizontal
+    reference and the oracle a dotted line, per model; the other policies' lines are drawn slightly apart at each
+    budget. Records scored on different ``limit``s are never joined: each limit gets lines of its own, named in
+    the legend. Points whose setting (see :func:`_setting`) is in ``significant`` are ringed: they differ from
+    the full cache beyond chance."""
     import matplotlib.pyplot as plt
 
     rows = [{**r, "ringed": _setting(r) in significant} for r in rows if r["task"] == task]
     if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
         rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
-    protocols = sorted({r["protocol"] for r in rows if r["policy"] != "full"})
+    protocols = sorted({r["protocol"] for r in rows if r["policy"] != "full"} or {r["protocol"] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = [
+        (model, policy, protocol)
+        for model in models
+        for policy, protocol in sorted({(r["policy"], r["protocol"]) for r in rows if r["model"] == model})
+        if policy != "full"
+    ]
     for index, model in enumerate(models):
+        shade = str(0.45 * index / max(len(models) - 1, 1))  # black, then greys: one reference shade per model
         full = [r for r in rows if r["model"] == model and r["policy"] == "full"]
         if full:
             label = "full cache" if len(models) == 1 else f"{model}: full cache"
-            ax.axhline(full[0]["value"], color="black", linestyle=":" if index else "--", linewidth=1, label=label)
-        lines = sorted({(r["policy"], r["protocol"]) for r in rows if r["model"] == model and r["policy"] != "full"})
-        for number, (policy, protocol) in enumerate(lines):
+            ax.axhline(full[0]["value"], color=shade, linestyle="--", linewidth=1, label=label)
+        lines = [line for line in drawn if line[0] == model]
+        for number, (_, policy, protocol) in enumerate(sorted(lines, key=lambda line: line[1] == "oracle")):
             points = [r for r in rows if (r["model"], r["policy"], r["protocol"]) == (model, policy, protocol)]
             label = (
-                policy + (f" ({protocol})" if len(protocols) > 1 else "") + (f" – {model}" if len(models) > 1 else "")
+                (ORACLE_LABEL if policy == "oracle" else policy)
+                + (f" ({protocol})" if len(protocols) > 1 else "")
+                + (f" – {model}" if len(models) > 1 else "")
             )
+            oracle = policy == "oracle"
+            color = shade if oracle else colors[number % len(colors)]
+            transform = _offset(ax, drawn.index((model, policy, protocol)), len(drawn))
             ax.errorbar(
                 [100 * p["budget"] for p in points],
                 [p["value"] for p in points],
                 yerr=[p["stderr"] or 0.0 for p in points],
                 marker="o",
+                markersize=4 if oracle else 6,
                 capsize=3,
-                color=colors[number % len(colors)],
-                linestyle="-" if index == 0 else "--",
+                color=color,
+                linestyle=":" if oracle else "-" if index == 0 else "-.",
                 label=label,
+                transform=transform,
+            )
+            ax.update_datalim(  # an offset transform keeps the points out of autoscaling
+                [(100 * p["budget"], p["value"] + sign * (p["stderr"] or 0.0)) for p in points for sign in (-1, 1)]
             )
             ringed = [p for p in points if p["ringed"]]
             ax.scatter(
@@ -302,13 +347,14 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
                 [p["value"] for p in ringed],
                 s=160,
                 facecolors="none",
-                edgecolors=colors[number % len(colors)],
+                edgecolors=color,
                 label="_ringed",
-            )
+            ).set_offset_transform(transform)
     if any(r["ringed"] for r in rows):
         ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label=f"differs from full (p < {stats.ALPHA})")
     metric = rows[0]["metric"] if rows else ""
-    ax.set(xlabel="KV cache budget (% of the sequence)", ylabel=metric, title=task, xlim=(0, 100))
+    ax.autoscale_view()
+    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=task, xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -327,3 +327,34 @@ def long_record(folder, task, policy, budget, per_document, protocol="context", 
     record |= {"length": length, "limit": None, "n_samples": len(outputs), "outputs": f"{name}.outputs.jsonl"}
     record["metrics"] = {metric: sum(o["scores"][metric] for o in outputs) / len(outputs)}
     results.write_record(folder / f"{name}.json", record)
+
+
+def test_the_budget_axis_says_what_the_budget_is_a_share_of(results_dir, tmp_path):
+    rows = plot.table(results.load_records(results_dir))
+    assert plot.figure(rows, "xsum").axes[0].get_xlabel() == "KV cache budget (% of the sequence)"
+    assert (
+        plot.figure(rows, "copa").axes[0].get_xlabel()
+        == "KV cache budget (% of the prompt for prefill, of the sequence for simulate)"
+    )
+    context = [fake_record("copa", "full", 1.0, 0.7), fake_record("copa", "h2o", 0.2, 0.6, protocol="context")]
+    rows = plot.table(context)  # the full cache's protocol is not the budget's
+    assert plot.figure(rows, "copa").axes[0].get_xlabel() == "KV cache budget (% of the context)"
+
+
+def test_lines_at_one_budget_are_drawn_apart_and_the_oracle_is_dotted(results_dir):
+    for budget, value in ((0.1, 0.69), (0.2, 0.7)):
+        results.write_record(results_dir / f"oracle{budget}.json", fake_record("copa", "oracle", budget, value))
+    rows = [r for r in plot.table(results.load_records(results_dir)) if r["protocol"] == "simulate"]
+    ax = plot.figure(rows, "copa").axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    lines = dict(zip(labels, handles, strict=True))
+    assert labels == ["full cache", "h2o", "local", "oracle (not deployable)"]
+    assert lines["full cache"].get_linestyle() == "--"
+    oracle, h2o, local = (lines[name].lines[0] for name in ("oracle (not deployable)", "h2o", "local"))
+    assert oracle.get_linestyle() == ":" and h2o.get_linestyle() == "-"
+    assert list(h2o.get_xdata()) == list(local.get_xdata()) == [10.0, 20.0, 50.0]  # the data keep their budgets
+    h2o_x = h2o.get_transform().transform([(20.0, 0.65)])[0, 0]
+    local_x = local.get_transform().transform([(20.0, 0.55)])[0, 0]
+    assert 2 <= abs(h2o_x - local_x) <= 10  # drawn a few points apart
+    low, high = ax.get_ylim()
+    assert low < 0.5 - 0.05 and high > 0.7 + 0.05  # and inside the axes, error bars included
