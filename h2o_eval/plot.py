@@ -246,7 +246,8 @@ def paired_markdown(compared: list[dict[str, Any]]) -> str:
         f"* p < {stats.ALPHA}. Its false-positive rate with no true difference is at most 5 % at n = 20-100 "
         "(simulated: `python -m h2o_eval.stats`). Secondary: the difference (policy − "
         f"{against}) with its 95 % interval from a bootstrap that resamples documents ({stats.RESAMPLES:,} "
-        f"resamples, seed {stats.SEED}); it is too narrow with few documents (5-8 % false positives at 10-20).",
+        f"resamples, seed {stats.SEED}); it is too narrow with few documents (6-13 % false positives at 10-20 in "
+        "that simulation).",
         *(
             [
                 "",
