@@ -15,8 +15,8 @@ questions are not independent, so the document, not the question, is the unit th
   Res Methodol 13:91). The null distribution is exact where the differences lie on a grid (0/1 and fractional
   scores); otherwise (ROUGE) it is drawn by 10,000 seeded sign flips (:func:`scipy.stats.permutation_test`).
   Chosen by simulation: exact McNemar keeps its 5 % but wastes power (false-positive rate 0.2-3 % at n = 20-100
-  with 15-30 % discordant pairs), the percentile bootstrap reaches 5-6 % at n = 20 and 8-11 % on continuous
-  scores at n = 10-20; the mid-p test stays at or below 5 % at every n there.
+  with 15-30 % discordant pairs), the percentile bootstrap reaches 6 % at n = 20 and 9-13 % on continuous scores
+  at n = 10-20; the mid-p test stays at or below 5 % there.
 - **Secondary:** the mean difference's percentile bootstrap interval (seeded, 10,000 resamples) resampling
   documents with all their questions; a mean over tasks resamples documents within each task, so each task keeps
   its weight.
@@ -52,7 +52,7 @@ _MAX_SUPPORT = 200_000  # widest exact null distribution computed; wider ones ar
 
 
 @dataclass(frozen=True)
-class Test:
+class Verdict:
     """The primary test's verdict on one comparison: its two-sided ``p``, the test's ``name``, and ``min_p``,
     the smallest p-value any outcome on these documents could give (at or above ``ALPHA`` nothing can be
     significant: too few documents differ)."""
@@ -82,7 +82,7 @@ class Paired:
     difference: float
     low: float
     high: float
-    test: Test
+    test: Verdict
 
     @property
     def significant(self) -> bool:
@@ -223,7 +223,7 @@ def _pair(a: Sequence[float], b: Sequence[float]) -> tuple[np.ndarray, np.ndarra
 
 def primary_test(
     a: Sequence[float], b: Sequence[float], documents: Sequence[Any] | None = None, *, seed: int = SEED
-) -> Test:
+) -> Verdict:
     """The primary test of ``a`` against ``b`` (per-question scores in one order, ``documents`` naming each
     question's document): the sign-flip permutation test by document (mid-p), named McNemar's mid-p test where
     it is one (0/1 scores, one question per document)."""
@@ -236,7 +236,7 @@ def primary_test(
         name = "McNemar mid-p"
     else:
         name = "sign-flip by document"
-    return Test(p, name, min_p)
+    return Verdict(p, name, min_p)
 
 
 def paired(
@@ -276,7 +276,7 @@ def paired_mean(
     p, exact, min_p = _sign_flip(np.concatenate(shares), seed)
     name = "sign-flip by document within tasks" + ("" if exact else f" ({FLIPS:,} draws)")
     n = int(sum(counts.sum() for _, counts in strata))
-    return Paired(n, sum(totals.size for totals, _ in strata), difference, low, high, Test(p, name, min_p))
+    return Paired(n, sum(totals.size for totals, _ in strata), difference, low, high, Verdict(p, name, min_p))
 
 
 def estimate(
