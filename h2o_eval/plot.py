@@ -1,17 +1,25 @@
 """Accuracy (or ROUGE) against KV budget, from a results directory.
 
     python -m h2o_eval.plot [results_dir] [--task copa ...] [--model smollm2-135m ...] [--out DIR] [--at 0.2 ...]
+    python -m h2o_eval.plot [results_dir] --leaderboard
 
-One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars,
-the full cache of each model as a horizontal reference, the budget in percent of the cache. Also writes the
-same numbers as ``summary.csv`` and ``summary.md`` (ending with what the runs cost, summed and elapsed);
-``--wandb-group`` logs them to a sweep's W&B group.
+One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars, the
+full cache of each model as a dashed reference and the oracle (policy ``oracle``) as a dotted one, the budget in
+percent of what it is a share of (the sequence, the prompt or the context, by protocol); points of different
+lines at one budget are drawn slightly apart. Also writes the same numbers as ``summary.csv`` and ``summary.md``
+(ending with what the runs cost, summed and elapsed); ``--wandb-group`` logs them to a sweep's W&B group.
 
-Every run is compared, document by document, with the full cache (or with ``--against POLICY`` at the same
-budget and protocol) on the same documents: ``paired_<against>.md`` holds the difference, its paired bootstrap
-95 % interval and the exact McNemar p-value (:mod:`h2o_eval.stats`), and a mean over the tasks a setting was run
-on; figures ring the points whose interval excludes zero.
-``--needle`` draws the long-context tasks' depth x length heatmaps instead (:mod:`h2o_eval.plot_needle`).
+Every run is compared, question by question, with the full cache (or with ``--against POLICY`` at the same
+budget and protocol) on the same documents: ``paired_<against>.md`` holds the difference with its
+document-bootstrap 95 % interval and the primary test's p-value, which alone decides ``*`` (see
+:mod:`h2o_eval.stats`), and a mean over the tasks a setting was run on; figures ring the significant points.
+
+Long-context records (RULER's tasks) also get their headline, ``headline.md``: per setting, each task's score
+x100 with its document-bootstrap interval and the unweighted mean over tasks ("k/13 tasks" when fewer than
+RULER's thirteen ran), whose interval resamples documents within each task. ``--leaderboard`` writes, per model,
+protocol and length, that mean as a table policy x compression ratio (1 − budget, kvpress's convention; the full
+cache's ceiling row first, then the oracle's) in Markdown and CSV, and the figure score against compression
+ratio. ``--needle`` draws the long-context tasks' depth x length heatmaps instead (:mod:`h2o_eval.plot_needle`).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -45,21 +54,18 @@ COLUMNS = (
 
 def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
     """One row per run with a fraction budget: the task's primary metric (the record's ``metric``, else ``acc``,
-    ``rouge2`` for summarisation, ``string_match_all`` for long context) unless ``metric`` names another, sorted
-    by task, model, protocol, policy and budget. Of records that agree on every column but the numbers, the
-    newest is kept. A long-context task is one task per prompt length (``niah_single@4096``): its documents, and
-    so its comparisons, differ with it."""
+    ``rouge2`` for summarisation, ``string_match_all`` or ``string_match_part`` for long context) unless ``metric``
+    names another, sorted by task, model, protocol, policy and budget. Of records that agree on every column but
+    the numbers, the newest is kept. A long-context task is one task per prompt length (``niah_single@4096``):
+    its documents, and so its comparisons, differ with it."""
     newest: dict[tuple, dict[str, Any]] = {}
     for record in sorted(records, key=lambda r: r["created"]):
-        name = (
-            metric
-            or record.get("metric")
-            or ("string_match_all" if "length" in record else PRIMARY_METRIC.get(record["task"], "acc"))
-        )
+        name = metric or stats.primary_metric(record, PRIMARY_METRIC.get(record["task"], "acc"))
         if name not in record["metrics"] or not isinstance(record["budget"], float):
             continue
         row = {
             "task": record["task"] + (f"@{record['length']}" if "length" in record else ""),
+            "length": record.get("length"),
             "model": record["model"],
             "protocol": record["protocol"],
             "policy": record["policy"],
@@ -87,7 +93,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         value = f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if r["stderr"] is not None else "")
         lines.append(
-            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {r['budget']:.0%} | {r['metric']} "
+            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {_percent(r['budget'])} | {r['metric']} "
             f"| {value} | {r['n_samples']} | {r['num_fewshot']} | {r['limit']} |"
         )
     return "\n".join(lines) + "\n"
@@ -117,6 +123,10 @@ def mixed_limits(rows: list[dict[str, Any]]) -> dict[str, list[int | float | Non
     for r in rows:
         limits.setdefault(r["task"], set()).add(r["limit"])
     return {task: sorted(found, key=_limit_order) for task, found in limits.items() if len(found) > 1}
+
+
+def _percent(budget: float) -> str:
+    return f"{100 * budget:.3g}%"
 
 
 def _limit_order(limit: int | float | None) -> tuple[bool, float]:
@@ -149,7 +159,7 @@ def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
         values = [show(full.get((task, model, limit))), *(show(cell.get((task, model, limit, *c))) for c in columns)]
         name = f"{model} ({_limit_label(limit)})" if task in mixed else model
         lines.append(f"| {task} | {name} | {some['metric']} | {some['n_samples']} | " + " | ".join(values) + " |")
-    return f"Budget {budget:.0%} of the cache:\n\n" + "\n".join(lines) + "\n"
+    return f"Budget {_percent(budget)} of the cache:\n\n" + "\n".join(lines) + "\n"
 
 
 def _setting(row: dict[str, Any]) -> tuple:
@@ -166,23 +176,24 @@ def _baseline(rows: list[dict[str, Any]], row: dict[str, Any], against: str) -> 
 
 
 def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "full") -> list[dict[str, Any]]:
-    """Each row (but ``against``'s own) compared document by document with its baseline (see :func:`_baseline`):
+    """Each row (but ``against``'s own) compared question by question with its baseline (see :func:`_baseline`):
     the row plus ``against``, ``baseline`` (its value), ``paired`` (a :class:`~h2o_eval.stats.Paired`) and
-    ``pairs`` (the aligned per-document scores). Rows without per-document scores, without a baseline or scored
-    on other documents than it are left out. A setting run on several tasks also gets a row whose task is
-    ``mean of N tasks``: the mean of the per-task differences, resampled within each task (none when a task was
-    scored on several ``limit`` values: which documents stand for it is not the table's to choose)."""
-    documents: dict[str | None, dict | None] = {}
+    ``pairs`` (the aligned per-question scores and each question's document). Rows without per-question scores,
+    without a baseline or scored on other questions than it are left out. A setting run on several tasks also
+    gets a row whose task is ``mean of N tasks``: the mean of the per-task differences, resampled within each
+    task (none when a task was scored on several ``limit`` values: which documents stand for it is not the
+    table's to choose)."""
+    documents: dict[str | None, dict] = {}
 
-    def scores(row: dict[str, Any]) -> dict | None:
+    def scores(row: dict[str, Any]) -> dict:
         if row["outputs"] not in documents:
-            documents[row["outputs"]] = stats.document_scores(row, results_dir, row["metric"])
+            documents[row["outputs"]] = stats.question_scores(row, results_dir, row["metric"])
         return documents[row["outputs"]]
 
     compared = []
     for row in rows:
         base = _baseline(rows, row, against) if row["policy"] != against else None
-        if base is None or scores(row) is None or scores(base) is None:
+        if base is None or not scores(row) or not scores(base):
             continue
         pairs = stats.align(scores(row), scores(base))
         if pairs is not None:
@@ -198,7 +209,7 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
         repeated = mixed_limits(group)
         if repeated:
             print(
-                f"note: no mean over tasks for {model} {policy} {protocol} at {budget:.0%}: "
+                f"note: no mean over tasks for {model} {policy} {protocol} at {_percent(budget)}: "
                 f"{', '.join(repeated)} scored on several limits (give each limit's records a results dir of its own)",
                 file=sys.stderr,
             )
@@ -223,62 +234,118 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
 
 
 def paired_markdown(compared: list[dict[str, Any]]) -> str:
-    """The paired comparisons as a Markdown table; ``*`` marks a difference whose 95 % interval excludes zero."""
+    """The paired comparisons as a Markdown table. The verdict is the primary test's: ``*`` marks p < 0.05; the
+    interval is secondary. Cells where too few documents differ for any p below 0.05 say so, and the header says
+    where several questions per document make the per-question McNemar test invalid."""
     against = compared[0]["against"] if compared else "full"
+    clustered = any(r["paired"].clustered for r in compared)
     lines = [
-        f"Paired against {against} on the same documents: difference (policy − {against}), paired bootstrap 95 % "
-        f"interval ({stats.RESAMPLES:,} resamples, seed {stats.SEED}), exact McNemar p for 0/1 metrics; "
-        "* the interval excludes zero.",
+        f"Paired against {against} on the same questions. **Primary test (the verdict): p**, a two-sided sign-flip "
+        "permutation test of the mean difference that flips each document's questions together (mid-p; for 0/1 "
+        "scores with one question per document it is McNemar's mid-p test; the test column names it); "
+        f"* p < {stats.ALPHA}. Its false-positive rate with no true difference is at most 5 % at n = 20-100 "
+        "(simulated: `python -m h2o_eval.stats`). Secondary: the difference (policy − "
+        f"{against}) with its 95 % interval from a bootstrap that resamples documents ({stats.RESAMPLES:,} "
+        f"resamples, seed {stats.SEED}); it is too narrow with few documents (6-13 % false positives at 10-20 in "
+        "that simulation).",
+        *(
+            [
+                "",
+                "Some cells hold several questions per document: McNemar's test is per question and assumes "
+                "independent questions, so it is omitted there; their p is the document-level test.",
+            ]
+            if clustered
+            else []
+        ),
         "",
-        f"| task | model | protocol | policy | budget | metric | n | value | {against} "
-        "| difference [95 % CI] | McNemar p |",
-        "|---|---|---|---|---:|---|---:|---:|---:|---|---:|",
+        f"| task | model | protocol | policy | budget | metric | n | documents | value | {against} "
+        "| difference [95 % CI] | p | test |",
+        "|---|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---|",
     ]
     for r in compared:
         p = r["paired"]
-        mark = " *" if p.significant else ""
-        mcnemar = f"{p.p_mcnemar:.3g}" if p.p_mcnemar is not None else ""
+        verdict = " *" if p.significant else "" if p.test.decidable else " (too few documents differ for p < 0.05)"
         lines.append(
-            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {r['budget']:.0%} | {r['metric']} "
-            f"| {p.n} | {r['value']:.3f} | {r['baseline']:.3f} "
-            f"| {p.difference:+.3f} [{p.low:+.3f}, {p.high:+.3f}]{mark} | {mcnemar} |"
+            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {_percent(r['budget'])} | {r['metric']} "
+            f"| {p.n} | {p.documents} | {r['value']:.3f} | {r['baseline']:.3f} "
+            f"| {p.difference:+.3f} [{p.low:+.3f}, {p.high:+.3f}] | {p.test.p:.3g}{verdict} | {p.test.name} |"
         )
     return "\n".join(lines) + "\n"
 
 
+BUDGET_SHARE = {"simulate": "the sequence", "prefill": "the prompt", "context": "the context"}
+REFERENCE_POLICIES = ("full", "oracle")
+ORACLE_LABEL = "oracle (not deployable)"
+
+
+def budget_label(protocols: list[str], what: str = "KV cache budget") -> str:
+    """The budget axis's label: what the budget is a share of, by protocol (each named when there are several)."""
+    if len(protocols) == 1:
+        return f"{what} (% of {BUDGET_SHARE[protocols[0]]})"
+    return f"{what} (% of " + ", of ".join(f"{BUDGET_SHARE[p]} for {p}" for p in protocols) + ")"
+
+
+def _offset(ax: Any, index: int, count: int, points: float = 3.0) -> Any:
+    """A data transform that draws line ``index`` of ``count`` shifted sideways by a few points, so that points
+    of different lines at one x stay apart; the data keep their true x."""
+    from matplotlib.transforms import ScaledTranslation
+
+    shift = (index - (count - 1) / 2) * points / 72
+    return ax.transData + ScaledTranslation(shift, 0, ax.figure.dpi_scale_trans)
+
+
 def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] = frozenset()) -> Any:
-    """The accuracy-vs-budget figure of one task (a matplotlib Figure). Records scored on different ``limit``s
-    are never joined: each limit gets lines of its own, named in the legend. Points whose setting (see
-    :func:`_setting`) is in ``significant`` are ringed: they differ from the full cache beyond chance."""
+    """The accuracy-vs-budget figure of one task (a matplotlib Figure). The full cache is a dashed horizontal
+    reference and the oracle a dotted line, per model; the other policies' lines are drawn slightly apart at each
+    budget. Records scored on different ``limit``s are never joined: each limit gets lines of its own, named in
+    the legend. Points whose setting (see :func:`_setting`) is in ``significant`` are ringed: they differ from
+    the full cache beyond chance."""
     import matplotlib.pyplot as plt
 
     rows = [{**r, "ringed": _setting(r) in significant} for r in rows if r["task"] == task]
     if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
         rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
-    protocols = sorted({r["protocol"] for r in rows if r["policy"] != "full"})
+    protocols = sorted({r["protocol"] for r in rows if r["policy"] != "full"} or {r["protocol"] for r in rows})
     fig, ax = plt.subplots(figsize=(6, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = [
+        (model, policy, protocol)
+        for model in models
+        for policy, protocol in sorted({(r["policy"], r["protocol"]) for r in rows if r["model"] == model})
+        if policy != "full"
+    ]
     for index, model in enumerate(models):
+        shade = str(0.45 * index / max(len(models) - 1, 1))  # black, then greys: one reference shade per model
         full = [r for r in rows if r["model"] == model and r["policy"] == "full"]
         if full:
             label = "full cache" if len(models) == 1 else f"{model}: full cache"
-            ax.axhline(full[0]["value"], color="black", linestyle=":" if index else "--", linewidth=1, label=label)
-        lines = sorted({(r["policy"], r["protocol"]) for r in rows if r["model"] == model and r["policy"] != "full"})
-        for number, (policy, protocol) in enumerate(lines):
+            ax.axhline(full[0]["value"], color=shade, linestyle="--", linewidth=1, label=label)
+        lines = [line for line in drawn if line[0] == model]
+        for number, (_, policy, protocol) in enumerate(sorted(lines, key=lambda line: line[1] == "oracle")):
             points = [r for r in rows if (r["model"], r["policy"], r["protocol"]) == (model, policy, protocol)]
             label = (
-                policy + (f" ({protocol})" if len(protocols) > 1 else "") + (f" – {model}" if len(models) > 1 else "")
+                (ORACLE_LABEL if policy == "oracle" else policy)
+                + (f" ({protocol})" if len(protocols) > 1 else "")
+                + (f" – {model}" if len(models) > 1 else "")
             )
+            oracle = policy == "oracle"
+            color = shade if oracle else colors[number % len(colors)]
+            transform = _offset(ax, drawn.index((model, policy, protocol)), len(drawn))
             ax.errorbar(
                 [100 * p["budget"] for p in points],
                 [p["value"] for p in points],
                 yerr=[p["stderr"] or 0.0 for p in points],
                 marker="o",
+                markersize=4 if oracle else 6,
                 capsize=3,
-                color=colors[number % len(colors)],
-                linestyle="-" if index == 0 else "--",
+                color=color,
+                linestyle=":" if oracle else "-" if index == 0 else "-.",
                 label=label,
+                transform=transform,
+            )
+            ax.update_datalim(  # an offset transform keeps the points out of autoscaling
+                [(100 * p["budget"], p["value"] + sign * (p["stderr"] or 0.0)) for p in points for sign in (-1, 1)]
             )
             ringed = [p for p in points if p["ringed"]]
             ax.scatter(
@@ -286,26 +353,297 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
                 [p["value"] for p in ringed],
                 s=160,
                 facecolors="none",
-                edgecolors=colors[number % len(colors)],
+                edgecolors=color,
                 label="_ringed",
-            )
+            ).set_offset_transform(transform)
     if any(r["ringed"] for r in rows):
-        ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label="differs from full (95 % CI)")
+        ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label=f"differs from full (p < {stats.ALPHA})")
     metric = rows[0]["metric"] if rows else ""
-    ax.set(xlabel="KV cache budget (% of the sequence)", ylabel=metric, title=task, xlim=(0, 100))
+    ax.autoscale_view()
+    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=task, xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
+RULER_TASKS = (
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "cwe",
+    "fwe",
+    "qa_1",
+    "qa_2",
+)
+
+HEADLINE_KEYS = ("model", "protocol", "length", "limit", "policy", "budget")
+
+
+def tasks_label(tasks: Collection[str]) -> str:
+    """What a mean over ``tasks`` covers: "13 tasks" for RULER's thirteen, "k/13 tasks" for fewer of them, and
+    how many of RULER's are among them when other tasks are too."""
+    ruler = [task for task in tasks if task in RULER_TASKS]
+    if len(ruler) < len(tasks):
+        return f"{len(tasks)} tasks ({len(ruler)}/{len(RULER_TASKS)} of RULER's)"
+    return f"{len(ruler)} tasks" if len(ruler) == len(RULER_TASKS) else f"{len(ruler)}/{len(RULER_TASKS)} tasks"
+
+
+def _task_order(task: str) -> tuple[int, str]:
+    return (RULER_TASKS.index(task) if task in RULER_TASKS else len(RULER_TASKS)), task
+
+
+def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
+    """The headline of each long-context setting (model, protocol, length, limit, policy, budget): ``tasks``,
+    each task's score x100 (its own metric) as a :class:`~h2o_eval.stats.Estimate` with its document-bootstrap
+    interval, and ``mean``, the unweighted mean of those scores, whose interval resamples documents within each
+    task. Records without per-question outputs are left out, with a note."""
+    settings: dict[tuple, dict[str, Any]] = {}
+    for row in rows:
+        if row["length"] is None:
+            continue
+        scores = stats.question_scores(row, results_dir, row["metric"])
+        if not scores:
+            print(f"note: {row['task']} {row['policy']} has no per-question outputs: left out", file=sys.stderr)
+            continue
+        key = (row["model"], row["protocol"], row["length"], row["limit"], row["policy"], row["budget"])
+        setting = settings.setdefault(key, {**dict(zip(HEADLINE_KEYS, key, strict=True)), "tasks": {}, "scores": {}})
+        task = row["task"].rsplit("@", 1)[0]
+        documents, values = zip(*scores.values(), strict=True)
+        setting["scores"][task] = ([100 * value for value in values], list(documents))
+        setting["tasks"][task] = stats.estimate(*setting["scores"][task])
+    for setting in settings.values():
+        setting["tasks"] = dict(sorted(setting["tasks"].items(), key=lambda item: _task_order(item[0])))
+        setting["mean"] = stats.mean_over_tasks([setting["scores"].pop(task) for task in setting["tasks"]])
+        del setting["scores"]
+    return sorted(
+        settings.values(),
+        key=lambda s: (
+            (s["model"], s["protocol"], s["length"], _limit_order(s["limit"]), s["policy"] != "full")
+            + (s["policy"], -s["budget"])
+        ),
+    )
+
+
+def _estimate(estimate: stats.Estimate) -> str:
+    return f"{estimate.value:.1f} [{estimate.low:.1f}, {estimate.high:.1f}]"
+
+
+def headline_markdown(settings: list[dict[str, Any]]) -> str:
+    """The long-context headline as a Markdown table: per setting the mean over tasks and each task's score."""
+    tasks = sorted({task for s in settings for task in s["tasks"]}, key=_task_order)
+    limits = len({s["limit"] for s in settings}) > 1
+    lines = [
+        "Long context: each task's score x100 (RULER's metric: string_match_all, string_match_part for qa) with "
+        f"its 95 % interval resampling documents ({stats.RESAMPLES:,} resamples, seed {stats.SEED}); mean: the "
+        "unweighted mean of the task scores (RULER's and kvpress's headline), its interval resampling documents "
+        "within each task.",
+        "",
+        "| model | protocol | length | policy | budget | mean [95 % CI] | tasks | " + " | ".join(tasks) + " |",
+        "|---|---|---:|---|---:|---|---|" + "---|" * len(tasks),
+    ]
+    for s in settings:
+        model = f"{s['model']} ({_limit_label(s['limit'])})" if limits else s["model"]
+        cells = [_estimate(s["tasks"][task]) if task in s["tasks"] else "" for task in tasks]
+        lines.append(
+            f"| {model} | {s['protocol']} | {s['length']} | {s['policy']} | {_percent(s['budget'])} "
+            f"| {_estimate(s['mean'])} | {tasks_label(s['tasks'])} | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _ratio(budget: float) -> float:
+    return round(1 - budget, 6)
+
+
+def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """The long-context settings grouped for leaderboards, one per (model, protocol, length, limit): that
+    protocol's settings, led by the full cache's (of that protocol when there is one, else of another: the full
+    cache holds everything in any)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for s in settings:
+        if s["policy"] != "full":
+            groups.setdefault((s["model"], s["protocol"], s["length"], s["limit"]), []).append(s)
+    for (model, protocol, length, limit), group in groups.items():
+        full = [
+            s
+            for s in settings
+            if s["policy"] == "full" and (s["model"], s["length"], s["limit"]) == (model, length, limit)
+        ]
+        group[:0] = sorted(full, key=lambda s: s["protocol"] != protocol)[:1]
+    return groups
+
+
+def _leaderboard_order(group: list[dict[str, Any]]) -> list[str]:
+    policies = sorted({s["policy"] for s in group} - set(REFERENCE_POLICIES))
+    return [p for p in REFERENCE_POLICIES if any(s["policy"] == p for s in group)] + policies
+
+
+def _leaderboard_title(key: tuple) -> str:
+    model, protocol, length, limit = key
+    return f"{model}, protocol {protocol}, {length} tokens" + (f", {_limit_label(limit)}" if limit is not None else "")
+
+
+def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
+    """One leaderboard as a Markdown table: a row per policy (the full cache's ceiling first, the oracle next), a
+    column per compression ratio, each cell the mean over tasks x100 with its 95 % interval; a cell whose mean
+    covers other tasks than the leaderboard's says how many."""
+    tasks = sorted({task for s in group for task in s["tasks"]}, key=_task_order)
+    ratios = sorted({_ratio(s["budget"]) for s in group if s["policy"] != "full"})
+    lines = [
+        f"Leaderboard: {_leaderboard_title(key)}. Each cell: the unweighted mean over tasks of the score x100 with "
+        f"its 95 % interval resampling documents within each task ({stats.RESAMPLES:,} resamples, seed "
+        f"{stats.SEED}); compression ratio = 1 − budget (kvpress's convention: the share of the "
+        f"{BUDGET_SHARE[key[1]].split()[-1]} removed). Tasks: {tasks_label(tasks)} ({', '.join(tasks)})."
+        + (" full: the full cache, the ceiling, the same at every ratio." if group[0]["policy"] == "full" else "")
+        + (
+            " oracle: compression by the attention of the question and the full cache's answer, not deployable."
+            if any(s["policy"] == "oracle" for s in group)
+            else ""
+        ),
+        "",
+        "| policy | " + " | ".join(f"{ratio:g}" for ratio in ratios) + " |",
+        "|---|" + "---:|" * len(ratios),
+    ]
+    for policy in _leaderboard_order(group):
+        cells = []
+        for ratio in ratios:
+            found = [s for s in group if s["policy"] == policy and (policy == "full" or _ratio(s["budget"]) == ratio)]
+            if not found:
+                cells.append("")
+                continue
+            covered = found[0]["tasks"]
+            cells.append(
+                _estimate(found[0]["mean"]) + ("" if len(covered) == len(tasks) else f" ({tasks_label(covered)})")
+            )
+        name = {"full": "full (ceiling)", "oracle": ORACLE_LABEL}.get(policy, policy)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+LEADERBOARD_COLUMNS = (
+    "model",
+    "protocol",
+    "length",
+    "limit",
+    "policy",
+    "budget",
+    "ratio",
+    "tasks",
+    "score",
+    "low",
+    "high",
+    "documents",
+    "questions",
+)
+
+
+def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One leaderboard's cells as CSV rows (the full cache's at its own budget, ratio 0)."""
+    return [
+        {
+            **{key: s[key] for key in HEADLINE_KEYS},
+            "ratio": _ratio(s["budget"]),
+            "tasks": len(s["tasks"]),
+            "score": round(s["mean"].value, 4),
+            "low": round(s["mean"].low, 4),
+            "high": round(s["mean"].high, 4),
+            "documents": s["mean"].documents,
+            "questions": s["mean"].n,
+        }
+        for policy in _leaderboard_order(group)
+        for s in sorted((s for s in group if s["policy"] == policy), key=lambda s: -s["budget"])
+    ]
+
+
+def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
+    """Score against compression ratio as kvpress's public plot draws it: a line per policy with its interval,
+    the full cache a dashed reference and the oracle a dotted one; lines drawn slightly apart at each ratio."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    policies = [p for p in _leaderboard_order(group) if p != "full"]
+    for s in group[:1] if group[0]["policy"] == "full" else []:
+        ax.axhline(s["mean"].value, color="black", linestyle="--", linewidth=1.2, label="full cache")
+    for number, policy in enumerate(policies):
+        points = sorted((s for s in group if s["policy"] == policy), key=lambda s: -s["budget"])
+        values = [s["mean"].value for s in points]
+        oracle = policy == "oracle"
+        ax.errorbar(
+            [_ratio(s["budget"]) for s in points],
+            values,
+            yerr=[
+                [v - s["mean"].low for v, s in zip(values, points, strict=True)],
+                [s["mean"].high - v for v, s in zip(values, points, strict=True)],
+            ],
+            marker="o",
+            markersize=4,
+            capsize=3,
+            color="black" if oracle else colors[(number - ("oracle" in policies)) % len(colors)],
+            linestyle=":" if oracle else "-",
+            label=ORACLE_LABEL if oracle else policy,
+            transform=_offset(ax, number, len(policies)),
+        )
+    tasks = sorted({task for s in group for task in s["tasks"]}, key=_task_order)
+    ratios = sorted({_ratio(s["budget"]) for s in group if s["policy"] != "full"})
+    ax.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios])
+    ax.set_xlim(min(ratios) - 0.1, max(ratios) + 0.1)
+    ax.set(
+        xlabel=f"compression ratio (share of {BUDGET_SHARE[key[1]]} removed, 1 − budget)",
+        ylabel=f"score (mean of {tasks_label(tasks)}, x100)",
+        title=_leaderboard_title(key),
+        ylim=(-2, 102),
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def write_leaderboards(settings: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
+    """Each leaderboard of :func:`leaderboards` under ``out`` as ``leaderboard_<model>_<protocol>_<length>``
+    (``_limit<N>`` added when a limit is set) .md, .csv, .png and .pdf; returns the files and the Markdown."""
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    files, texts = [], []
+    for key, group in leaderboards(settings).items():
+        model, protocol, length, limit = key
+        stem = f"leaderboard_{model}_{protocol}_{length}" + (f"_limit{limit}" if limit is not None else "")
+        texts.append(leaderboard_markdown(key, group))
+        files.append(out / f"{stem}.md")
+        files[-1].write_text(texts[-1])
+        files.append(out / f"{stem}.csv")
+        with files[-1].open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=LEADERBOARD_COLUMNS)
+            writer.writeheader()
+            writer.writerows(leaderboard_rows(group))
+        fig = leaderboard_figure(key, group)
+        for suffix in ("png", "pdf"):
+            files.append(out / f"{stem}.{suffix}")
+            fig.savefig(files[-1], dpi=150, bbox_inches="tight")
+        plt.close(fig)
+    return files, "\n".join(texts)
+
+
 def write(
-    rows: list[dict[str, Any]], out: Path, at: list[float] | None = None, compared: list[dict[str, Any]] | None = None
+    rows: list[dict[str, Any]],
+    out: Path,
+    at: list[float] | None = None,
+    compared: list[dict[str, Any]] | None = None,
+    headline: list[dict[str, Any]] | None = None,
 ) -> list[Path]:
     """Figures (PNG, PDF) per task plus ``summary.csv`` and ``summary.md`` under ``out``, for each budget in
-    ``at`` the policies side by side in ``at_<budget>.md``, and the ``compared`` rows of :func:`paired_rows` in
+    ``at`` the policies side by side in ``at_<budget>.md``, the ``compared`` rows of :func:`paired_rows` in
     ``paired_<against>.md`` (ringing, when they are against the full cache, the significant points of the
-    figures); returns the files."""
+    figures), and the long-context settings of :func:`long_context` in ``headline.md``; returns the files."""
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
@@ -332,6 +670,9 @@ def write(
     if compared:
         written.append(out / f"paired_{compared[0]['against']}.md")
         written[-1].write_text(paired_markdown(compared))
+    if headline:
+        written.append(out / "headline.md")
+        written[-1].write_text(headline_markdown(headline))
     return written
 
 
@@ -364,6 +705,11 @@ def main(argv: list[str] | None = None) -> None:
         "--against", default="full", help="paired comparisons with this policy at the same budget (default: full)"
     )
     parser.add_argument("--needle", action="store_true", help="long-context tasks: depth x length heatmaps instead")
+    parser.add_argument(
+        "--leaderboard",
+        action="store_true",
+        help="long-context tasks: the mean over tasks per policy and compression ratio instead (table and figure)",
+    )
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -384,6 +730,17 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if not rows:
         parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")
+    headline = long_context(rows, args.results_dir)
+    if args.leaderboard:
+        if not any(s["policy"] != "full" for s in headline):
+            parser.error(
+                f"no long-context records of a policy with per-question outputs in {args.results_dir}: "
+                "run long-context tasks at several budgets first (such as the kv_leaderboard preset)"
+            )
+        files, text = write_leaderboards(headline, args.out or args.results_dir / "plots")
+        print("\n".join(map(str, files)))
+        print(text)
+        return
     for task, limits in mixed_limits(rows).items():
         print(
             f"note: {task} has records of {', '.join(map(_limit_label, limits))}: they are drawn and tabled apart",
@@ -392,10 +749,10 @@ def main(argv: list[str] | None = None) -> None:
     compared = paired_rows(rows, args.results_dir, args.against)
     if not compared:
         print(
-            f"note: no paired comparison against {args.against}: no two runs with per-document scores share documents",
+            f"note: no paired comparison against {args.against}: no two runs with per-question scores share questions",
             file=sys.stderr,
         )
-    files = write(rows, args.out or args.results_dir / "plots", args.at, compared)
+    files = write(rows, args.out or args.results_dir / "plots", args.at, compared, headline)
     for path in files:
         print(path)
     print(markdown(rows) + compute(rows))
@@ -403,6 +760,8 @@ def main(argv: list[str] | None = None) -> None:
         print(side_by_side(rows, budget))
     if compared:
         print(paired_markdown(compared))
+    if headline:
+        print(headline_markdown(headline))
     if args.wandb_group:
         log_to_wandb(rows, files, args.wandb_group, args.wandb_project, args.wandb_mode)
 

@@ -12,29 +12,33 @@ import json
 from pathlib import Path
 from typing import Any
 
+from h2o_eval import stats
 from h2o_eval.results import load_records
 
 SETTING = ("model", "task", "policy", "budget", "protocol", "length")
 
 
 def needle_rows(results_dir: Path) -> list[dict[str, Any]]:
-    """One row per long-context record (the newest of reruns of one setting): its setting, its score, and its
-    mean score and document count per needle depth (none for tasks without a needle)."""
+    """One row per long-context record (the newest of reruns of one setting): its setting, its metric
+    (``string_match_all``, or ``string_match_part`` for RULER's qa tasks) and score, and its mean score and
+    question count per needle depth (none for tasks without a needle)."""
     newest: dict[tuple, dict[str, Any]] = {}
     for record in sorted(load_records(results_dir), key=lambda r: r["created"]):
         if "length" in record and "outputs" in record and (results_dir / record["outputs"]).is_file():
             newest[tuple(record[key] for key in SETTING)] = record
     rows = []
     for record in newest.values():
+        metric = stats.primary_metric(record)
         by_depth: dict[float, list[float]] = {}
         for line in (results_dir / record["outputs"]).read_text().splitlines():
             output = json.loads(line)
-            if output["depth"] is not None:
-                by_depth.setdefault(output["depth"], []).append(output["scores"]["string_match_all"])
+            if output.get("depth") is not None:
+                by_depth.setdefault(output["depth"], []).append(output["scores"][metric])
         rows.append(
             {
                 **{key: record[key] for key in SETTING},
-                "score": record["metrics"]["string_match_all"],
+                "metric": metric,
+                "score": record["metrics"][metric],
                 "depths": {depth: (sum(s) / len(s), len(s)) for depth, s in sorted(by_depth.items())},
             }
         )
@@ -49,7 +53,7 @@ def _panels(rows: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
 def _label(policy: str, budget: float, protocol: str, protocols: int = 1) -> str:
     if policy == "full":
         return "full cache" if protocols == 1 else f"full cache ({protocol})"
-    return f"{policy} {budget:.0%} ({protocol})"
+    return f"{policy} {100 * budget:.3g}% ({protocol})"
 
 
 def _length_label(length: int) -> str:
@@ -99,7 +103,7 @@ def heatmap(rows: list[dict[str, Any]]) -> Any:
         row_axes[0].set_ylabel("needle depth")
     for ax in axes[-1]:
         ax.set_xlabel("prompt length (tokens)")
-    fig.colorbar(image, ax=axes.ravel().tolist(), label="string_match_all", fraction=0.05)
+    fig.colorbar(image, ax=axes.ravel().tolist(), label=rows[0]["metric"], fraction=0.05)
     fig.suptitle(f"{rows[0]['task']} – {rows[0]['model']}")
     return fig
 
@@ -127,7 +131,7 @@ def length_plot(rows: list[dict[str, Any]]) -> Any:
             )
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [_length_label(length) for length in lengths], minor=False)
-        ax.set(xlabel="prompt length (tokens)", ylabel="string_match_all", ylim=(-0.02, 1.02))
+        ax.set(xlabel="prompt length (tokens)", ylabel=rows[0]["metric"], ylim=(-0.02, 1.02))
         ax.set_title(f"{rows[0]['task']} – {rows[0]['model']} ({protocol})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 
 import pytest
 from matplotlib.collections import PathCollection
 
-from h2o_eval import plot, results
+from h2o_eval import plot, results, stats
 
 
 def fake_record(task, policy, budget, value, created="2026-11-22T00:00:00+00:00", protocol="simulate", **extra):
@@ -108,6 +109,9 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     import nbformat
     from nbclient import NotebookClient
 
+    long_record(results_dir, "vt", "full", 1.0, [[1]] * 4)
+    long_record(results_dir, "vt", "h2o", 0.5, [[1]] * 3 + [[0]])
+
     notebook = nbformat.read(plot.NOTEBOOK, as_version=4)
     os.environ["H2O_EVAL_RESULTS"] = str(results_dir)
     try:
@@ -120,6 +124,9 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     assert any("image/png" in o.get("data", {}) for o in outputs)
     text = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
     assert "| copa | tiny-llama | simulate | h2o | 20% | acc | 0.6500 ± 0.0500 |" in text
+    assert "| tiny-llama | context | 4096 | h2o | 50% | 75.0 [" in text  # the long-context headline
+    assert "Leaderboard: tiny-llama, protocol context, 4096 tokens." in text
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # copa, xsum, vt and the leaderboard
 
 
 def test_figures_go_to_the_sweeps_wandb_group(results_dir, tmp_path, monkeypatch):
@@ -218,9 +225,9 @@ def test_paired_rows_compare_each_run_with_the_full_cache_document_by_document(p
         ("mean of 2 tasks", "local"),
     }  # tova is left out twice: other documents, and no per-document scores
     h2o, local = compared["copa", "h2o"]["paired"], compared["copa", "local"]["paired"]
-    assert h2o.difference == pytest.approx(2 / 40) and h2o.p_mcnemar == pytest.approx(0.5)  # 2 discordant pairs
-    assert not h2o.significant
-    assert local.difference == pytest.approx(-20 / 40) and local.p_mcnemar == pytest.approx(2 / 2**20)
+    assert h2o.difference == pytest.approx(2 / 40) and h2o.test.p == pytest.approx(1 / 4)  # 2 discordant pairs
+    assert not h2o.significant and h2o.test.name == "McNemar mid-p"
+    assert local.difference == pytest.approx(-20 / 40) and local.test.p == pytest.approx(1 / 2**20)
     assert local.significant
     piqa_local = compared["piqa", "local"]["paired"]
     mean = compared["mean of 2 tasks", "local"]
@@ -255,17 +262,19 @@ def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired
     table = (tmp_path / "plots" / "paired_full.md").read_text().splitlines()
     copa = {line.split(" | ")[3]: line for line in table if line.startswith("| copa ")}
     assert copa["local"].startswith(
-        "| copa | tiny-llama | simulate | local | 20% | acc | 40 | 0.250 | 0.750 | -0.500 ["
+        "| copa | tiny-llama | simulate | local | 20% | acc | 40 | 40 | 0.250 | 0.750 | -0.500 ["
     )
-    assert copa["local"].endswith(" * | 1.91e-06 |")
-    assert " * |" not in copa["h2o"]
+    assert copa["local"].endswith("] | 9.54e-07 * | McNemar mid-p |")  # the verdict follows p
+    assert copa["h2o"].endswith("] | 0.25 (too few documents differ for p < 0.05) | McNemar mid-p |")
+    assert "**Primary test (the verdict): p**" in table[0] and "McNemar" in table[0]
+    assert not any("omitted" in line for line in table)  # one question per document: McNemar is valid
     rows = plot.table(results.load_records(paired_dir))
     significant = frozenset(plot._setting(r) for r in plot.paired_rows(rows, paired_dir) if r["paired"].significant)
     figure = plot.figure(rows, "copa", significant)
     rings = [c for c in figure.axes[0].collections if isinstance(c, PathCollection) and len(c.get_offsets())]
     ringed = [c.get_offsets().tolist() for c in rings]
     assert ringed == [[[20.0, 0.25]]]  # local at 20 %, 10 of 40 right
-    assert "differs from full (95 % CI)" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert "differs from full (p < 0.05)" in [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
 
 
 def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
@@ -290,3 +299,176 @@ def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
     assert (tmp_path / "plots" / "niah_single@1024.png").is_file() and (
         tmp_path / "plots" / "niah_single@2048.png"
     ).is_file()
+
+
+def test_cells_with_several_questions_per_document_are_tested_by_document_and_say_mcnemar_is_omitted(tmp_path):
+    """Haystacks of four questions: a policy that loses whole documents is compared document by document."""
+    for policy, budget, lost in (("full", 1.0, 0), ("h2o", 0.25, 6)):
+        per_document = [[0.0] * 4] * lost + [[1.0] * 4] * (12 - lost)
+        long_record(tmp_path, "niah_single_2", policy, budget, per_document)
+    rows = plot.table(results.load_records(tmp_path))
+    (compared,) = plot.paired_rows(rows, tmp_path)
+    paired = compared["paired"]
+    assert (paired.n, paired.documents, paired.difference) == (48, 12, -0.5)
+    assert paired.test.name == "sign-flip by document" and paired.test.p == pytest.approx(2.0**-6)
+    table = plot.paired_markdown([compared]).splitlines()
+    assert any("McNemar's test is per question" in line and "omitted" in line for line in table)
+    assert table[-1].startswith(
+        "| niah_single_2@4096 | tiny-llama | context | h2o | 25% | string_match_all | 48 | 12 |"
+    )
+    assert table[-1].endswith(" | 0.0156 * | sign-flip by document |")
+
+
+def long_record(folder, task, policy, budget, per_document, protocol="context", length=4096, metric=None):
+    """A long-context record whose outputs hold each document's questions (``per_document``: a list of score
+    lists), with ids "<document>/<question>" as a haystack of several questions writes them."""
+    metric = metric or ("string_match_part" if task.startswith("qa") else "string_match_all")
+    outputs = [
+        {"id": f"{d}/{q}", "document": d, "depth": 50.0, "scores": {metric: float(score)}}
+        for d, scores in enumerate(per_document)
+        for q, score in enumerate(scores)
+    ]
+    name = f"{task}_{policy}_{budget}_{protocol}_{length}"
+    results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
+    record = fake_record(task, policy, budget, 0.0, protocol=protocol)
+    record |= {"length": length, "limit": None, "n_samples": len(outputs), "outputs": f"{name}.outputs.jsonl"}
+    record["metrics"] = {metric: sum(o["scores"][metric] for o in outputs) / len(outputs)}
+    results.write_record(folder / f"{name}.json", record)
+
+
+@pytest.fixture
+def ruler_dir(tmp_path):
+    """Two of RULER's tasks: niah_single_2 (two questions per haystack, 10 haystacks) and qa_1 (one question per
+    document, string_match_part), with the full cache right everywhere and h2o losing whole documents."""
+    long_record(tmp_path, "niah_single_2", "full", 1.0, [[1, 1]] * 10)
+    long_record(tmp_path, "qa_1", "full", 1.0, [[1]] * 8)
+    long_record(tmp_path, "niah_single_2", "h2o", 0.25, [[1, 1]] * 5 + [[0, 0]] * 5)
+    long_record(tmp_path, "qa_1", "h2o", 0.25, [[1]] * 6 + [[0]] * 2)
+    return tmp_path
+
+
+def test_the_headline_is_each_tasks_score_and_their_unweighted_mean_with_document_intervals(ruler_dir, capsys):
+    rows = plot.table(results.load_records(ruler_dir))
+    assert {r["task"]: r["metric"] for r in rows} == {
+        "niah_single_2@4096": "string_match_all",
+        "qa_1@4096": "string_match_part",
+    }
+    full, h2o = plot.long_context(rows, ruler_dir)
+    assert (full["policy"], h2o["policy"], h2o["budget"], h2o["length"]) == ("full", "h2o", 0.25, 4096)
+    assert list(h2o["tasks"]) == ["niah_single_2", "qa_1"]  # RULER's order
+    niah, qa = h2o["tasks"]["niah_single_2"], h2o["tasks"]["qa_1"]
+    assert (niah.value, niah.n, niah.documents, qa.value) == (50.0, 20, 10, 75.0)
+    # a haystack's two questions always agree here: resampled together they are one question per document
+    assert niah == dataclasses.replace(stats.estimate([100.0] * 5 + [0.0] * 5), n=20)
+    assert h2o["mean"].value == 62.5 and h2o["mean"].low < 62.5 < h2o["mean"].high
+    assert (full["mean"].value, full["mean"].low, full["mean"].high) == (100.0, 100.0, 100.0)
+    assert plot.tasks_label(h2o["tasks"]) == "2/13 tasks"
+    assert plot.tasks_label(plot.RULER_TASKS) == "13 tasks"
+    assert plot.tasks_label(["niah_single_2", "niah_single"]) == "2 tasks (1/13 of RULER's)"
+    plot.main([str(ruler_dir), "--out", str(ruler_dir / "plots")])
+    printed = capsys.readouterr().out
+    headline = (ruler_dir / "plots" / "headline.md").read_text()
+    assert headline in printed
+    mean = h2o["mean"]
+    assert (
+        f"| tiny-llama | context | 4096 | h2o | 25% | 62.5 [{mean.low:.1f}, {mean.high:.1f}] | 2/13 tasks "
+        f"| 50.0 [{niah.low:.1f}, {niah.high:.1f}] | 75.0 [{qa.low:.1f}, {qa.high:.1f}] |"
+    ) in headline
+
+
+@pytest.fixture
+def leaderboard_dir(tmp_path):
+    long_record(tmp_path, "niah_single_2", "full", 1.0, [[1]] * 10)
+    long_record(tmp_path, "vt", "full", 1.0, [[1]] * 10)
+    for budget, oracle, h2o in [(0.75, 10, 8), (0.5, 9, 6), (0.25, 8, 3), (0.125, 6, 1)]:
+        for task in ("niah_single_2", "vt"):
+            long_record(tmp_path, task, "oracle", budget, [[1]] * oracle + [[0]] * (10 - oracle))
+            long_record(tmp_path, task, "h2o", budget, [[1]] * h2o + [[0]] * (10 - h2o))
+    long_record(tmp_path, "niah_single_2", "snapkv", 0.5, [[1]] * 7 + [[0]] * 3)  # one task only
+    long_record(tmp_path, "niah_single_2", "h2o", 0.5, [[1]] * 2 + [[0]] * 8, protocol="prefill")  # another table
+    return tmp_path
+
+
+def test_the_leaderboard_tables_each_policy_by_compression_ratio_the_ceilings_first(leaderboard_dir, capsys):
+    out = leaderboard_dir / "plots"
+    plot.main([str(leaderboard_dir), "--leaderboard", "--out", str(out)])
+    stems = {"leaderboard_tiny-llama_context_4096", "leaderboard_tiny-llama_prefill_4096"}
+    assert {path.name for path in out.iterdir()} == {f"{s}.{x}" for s in stems for x in ("md", "csv", "png", "pdf")}
+    table = (out / "leaderboard_tiny-llama_context_4096.md").read_text()
+    assert table in capsys.readouterr().out
+    lines = table.splitlines()
+    assert "Tasks: 2/13 tasks (niah_single_2, vt)" in lines[0]
+    assert lines[2] == "| policy | 0.25 | 0.5 | 0.75 | 0.875 |"
+    assert [line.split(" | ")[0] for line in lines[4:]] == [
+        "| full (ceiling)",
+        "| oracle (not deployable)",
+        "| h2o",
+        "| snapkv",
+    ]
+    assert lines[4] == "| full (ceiling) | " + " | ".join(["100.0 [100.0, 100.0]"] * 4) + " |"
+    h2o = lines[6].split(" | ")
+    assert [cell.split(" [")[0] for cell in h2o[1:]] == ["80.0", "60.0", "30.0", "10.0"]
+    assert lines[7].split(" | ")[2].endswith(" (1/13 tasks)") and lines[7].split(" | ")[2].startswith("70.0 [")
+    with (out / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["policy"], r["ratio"], r["score"], r["tasks"]) for r in rows[:3]] == [
+        ("full", "0.0", "100.0", "2"),
+        ("oracle", "0.25", "100.0", "2"),
+        ("oracle", "0.5", "90.0", "2"),
+    ]
+    prefill = (out / "leaderboard_tiny-llama_prefill_4096.md").read_text().splitlines()
+    assert prefill[4].startswith("| full (ceiling) | 100.0") and prefill[5].startswith("| h2o | 20.0 [")
+
+
+def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashed_and_dotted_ceilings(
+    leaderboard_dir,
+):
+    rows = plot.table(results.load_records(leaderboard_dir))
+    groups = plot.leaderboards(plot.long_context(rows, leaderboard_dir))
+    key = ("tiny-llama", "context", 4096, None)
+    ax = plot.leaderboard_figure(key, groups[key]).axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    lines = dict(zip(labels, handles, strict=True))
+    assert labels == ["full cache", "oracle (not deployable)", "h2o", "snapkv"]
+    assert lines["full cache"].get_linestyle() == "--" and list(lines["full cache"].get_ydata()) == [100.0, 100.0]
+    oracle, h2o = lines["oracle (not deployable)"].lines[0], lines["h2o"].lines[0]
+    assert oracle.get_linestyle() == ":"
+    assert list(h2o.get_xdata()) == [0.25, 0.5, 0.75, 0.875] and list(h2o.get_ydata()) == [80.0, 60.0, 30.0, 10.0]
+    assert ax.get_xlabel() == "compression ratio (share of the context removed, 1 − budget)"
+
+
+def test_cli_leaderboard_without_long_context_records_says_what_to_run(results_dir, capsys):
+    with pytest.raises(SystemExit):
+        plot.main([str(results_dir), "--leaderboard"])
+    assert "no long-context records of a policy" in capsys.readouterr().err
+
+
+def test_the_budget_axis_says_what_the_budget_is_a_share_of(results_dir, tmp_path):
+    rows = plot.table(results.load_records(results_dir))
+    assert plot.figure(rows, "xsum").axes[0].get_xlabel() == "KV cache budget (% of the sequence)"
+    assert (
+        plot.figure(rows, "copa").axes[0].get_xlabel()
+        == "KV cache budget (% of the prompt for prefill, of the sequence for simulate)"
+    )
+    context = [fake_record("copa", "full", 1.0, 0.7), fake_record("copa", "h2o", 0.2, 0.6, protocol="context")]
+    rows = plot.table(context)  # the full cache's protocol is not the budget's
+    assert plot.figure(rows, "copa").axes[0].get_xlabel() == "KV cache budget (% of the context)"
+
+
+def test_lines_at_one_budget_are_drawn_apart_and_the_oracle_is_dotted(results_dir):
+    for budget, value in ((0.1, 0.69), (0.2, 0.7)):
+        results.write_record(results_dir / f"oracle{budget}.json", fake_record("copa", "oracle", budget, value))
+    rows = [r for r in plot.table(results.load_records(results_dir)) if r["protocol"] == "simulate"]
+    ax = plot.figure(rows, "copa").axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    lines = dict(zip(labels, handles, strict=True))
+    assert labels == ["full cache", "h2o", "local", "oracle (not deployable)"]
+    assert lines["full cache"].get_linestyle() == "--"
+    oracle, h2o, local = (lines[name].lines[0] for name in ("oracle (not deployable)", "h2o", "local"))
+    assert oracle.get_linestyle() == ":" and h2o.get_linestyle() == "-"
+    assert list(h2o.get_xdata()) == list(local.get_xdata()) == [10.0, 20.0, 50.0]  # the data keep their budgets
+    h2o_x = h2o.get_transform().transform([(20.0, 0.65)])[0, 0]
+    local_x = local.get_transform().transform([(20.0, 0.55)])[0, 0]
+    assert 2 <= abs(h2o_x - local_x) <= 10  # drawn a few points apart
+    low, high = ax.get_ylim()
+    assert low < 0.5 - 0.05 and high > 0.7 + 0.05  # and inside the axes, error bars included

@@ -9,10 +9,19 @@ import pytest
 from h2o_eval import plot, plot_needle, results
 
 
-def write_run(folder, policy, budget, length, scores, created="2026-11-22T00:00:00+00:00", task="niah_single"):
+def write_run(
+    folder,
+    policy,
+    budget,
+    length,
+    scores,
+    created="2026-11-22T00:00:00+00:00",
+    task="niah_single",
+    metric="string_match_all",
+):
     """A record and its outputs: ``scores`` maps each depth (None: no needle) to its documents' scores."""
     name = f"{task}_{policy}_{budget}_{length}_{created[:10]}"
-    outputs = [{"depth": d, "scores": {"string_match_all": s}} for d, values in scores.items() for s in values]
+    outputs = [{"depth": d, "scores": {metric: s}} for d, values in scores.items() for s in values]
     results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
     record = {
         "model": "tiny-llama",
@@ -25,7 +34,7 @@ def write_run(folder, policy, budget, length, scores, created="2026-11-22T00:00:
         "length": length,
         "n_samples": len(outputs),
         "created": created,
-        "metrics": {"string_match_all": sum(o["scores"]["string_match_all"] for o in outputs) / len(outputs)},
+        "metrics": {metric: sum(o["scores"][metric] for o in outputs) / len(outputs)},
         "outputs": f"{name}.outputs.jsonl",
     }
     results.write_record(folder / f"{name}.json", record)
@@ -80,3 +89,13 @@ def test_cli_needle_without_long_context_records_says_what_to_run(tmp_path, caps
     with pytest.raises(SystemExit):
         plot.main([str(tmp_path), "--needle"])
     assert "no long-context records" in capsys.readouterr().err
+
+
+def test_rulers_qa_tasks_are_drawn_on_their_own_metric(tmp_path):
+    for length, score in ((2048, 0.75), (4096, 0.5)):
+        write_run(tmp_path, "full", 1.0, length, {None: [score, score]}, task="qa_1", metric="string_match_part")
+    (row, _) = plot_needle.needle_rows(tmp_path)
+    assert (row["metric"], row["depths"]) == ("string_match_part", {})
+    figure = plot_needle.length_plot(plot_needle.needle_rows(tmp_path))
+    assert figure.axes[0].get_ylabel() == "string_match_part"
+    assert list(figure.axes[0].get_lines()[0].get_ydata()) == [0.75, 0.5]
