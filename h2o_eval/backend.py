@@ -20,15 +20,15 @@ from transformers.cache_utils import Cache
 from h2o_eval.attention import check_supported, install
 from h2o_eval.cache import CapacityLog, EvictionCache
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import Policy, check_kernels, check_protocol
+from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol
 
 
 class Session:
     """Per-``patch`` state: the policy, the protocol, the context length of each sequence of the next forward
     (``context_lengths``, set by the caller under ``prefill`` and ``context``) and the capacities realised so far."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, protocol: str, kernels: str) -> None:
-        self.policy, self.protocol, self.kernels = policy, protocol, kernels
+    def __init__(self, model: torch.nn.Module, policy: Policy, protocol: str, kernels: str, decoding: str) -> None:
+        self.policy, self.protocol, self.kernels, self.decoding = policy, protocol, kernels, decoding
         self.context_lengths: list[int] | None = None
         self.capacity = CapacityLog()
         self._cache: EvictionCache | None = None
@@ -57,6 +57,7 @@ class Session:
             prompt=lengths,
             kernels=self.kernels,
             one_forward=True,
+            decoding=self.decoding,
         )
         return args, {**kwargs, "cache": self._cache, "use_cache": True}
 
@@ -80,20 +81,22 @@ class Session:
 
 @contextmanager
 def patch(
-    model: torch.nn.Module, policy: Policy, protocol: str = "simulate", kernels: str = "auto"
+    model: torch.nn.Module, policy: Policy, protocol: str = "simulate", kernels: str = "auto", decoding: str = "evict"
 ) -> Iterator[Session]:
     """Within the block, every forward of ``model`` attends under ``policy`` with ``protocol``.
 
     ``simulate``: each position attends to what a bounded cache fed token by token from empty would hold.
     ``prefill`` and ``context``: the first ``session.context_lengths[b]`` tokens of sequence b attend in full,
     the cache is compressed to the budget (a fraction of those tokens), and the rest proceeds under the policy's
-    decoding rule. (The two differ in what the caller counts as the context: the whole prompt, or only what
-    precedes the question.) On exit the model is exactly as before.
+    decoding rule (``decoding="grow"``: nothing evicted after the compression). (The two differ in what the caller
+    counts as the context: the whole prompt, or only what precedes the question.) On exit the model is exactly as
+    before.
     """
     check_supported(model)
     check_protocol(policy, protocol, kernels)
+    check_decoding(protocol, decoding)
     check_kernels(kernels, next(model.parameters()).device.type)
-    session = Session(model, policy, protocol, kernels)
+    session = Session(model, policy, protocol, kernels, decoding)
     previous = model.config._attn_implementation
     install(model)
     hooks = [

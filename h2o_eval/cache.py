@@ -11,6 +11,8 @@ a fresh one. Each layer's attention call reaches its :class:`EvictionLayer` thro
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import weakref
 from typing import Any
 
@@ -29,7 +31,7 @@ from h2o_eval.attention import (
 )
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, attend_chunk_triton, attend_held, claim_slot
-from h2o_eval.policies import UNBOUNDED, Policy, check_kernels, check_protocol
+from h2o_eval.policies import UNBOUNDED, Policy, check_decoding, check_kernels, check_protocol
 
 # auto: Triton on CUDA tensors, the numba-compiled scan elsewhere; torch: the plain reference loop; triton: forced.
 KERNEL_FUNCTIONS = {"auto": attend_chunk, "torch": attend_chunk_reference, "triton": attend_chunk_triton}
@@ -169,7 +171,7 @@ class EvictionLayer(CacheLayerMixin):
                     "a padding token after the prompt: EvictionCache takes padding only in the first chunk"
                 )
             self.slot = None
-            rule = owner.policy.rule
+            rule = owner.rule
             output = attend_held(query, key, value, self.held, self.scores, rule, scaling, owner.triton)
             self._advance(arriving)
             return output
@@ -195,7 +197,7 @@ class EvictionLayer(CacheLayerMixin):
             recent=self.plan["recent"],
             sinks=self.plan["sinks"],
             prefill=owner.prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device),
-            rule=owner.policy.rule,
+            rule=owner.rule,
             scaling=scaling,
             output=output,
         )
@@ -228,16 +230,17 @@ class EvictionLayer(CacheLayerMixin):
         owner = self.owner
         if not (first and owner.one_forward):
             return False
-        limit = torch.tensor(owner.lengths, device=capacity.device) if owner.policy.rule.grows else arriving.sum(-1)
+        limit = torch.tensor(owner.lengths, device=capacity.device) if owner.rule.grows else arriving.sum(-1)
         return bool((capacity >= limit.view(-1, 1)).all())
 
     def _keep_all(self, key, value, arriving, new_position=None) -> None:
-        """Hold every arriving token (a chunk that evicts nothing), with no scores."""
+        """Hold every arriving token (a chunk that evicts nothing); their scores stay 0, as nothing reads them."""
         batch, kv_heads, n = key.shape[0], key.shape[1], arriving.shape[1]
         self.keys, self.values = key, value
         self.held = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
         if new_position is not None:
             self.position = torch.cat([self.position, new_position], dim=-1)
+        self.scores = torch.cat([self.scores, self.scores.new_zeros(batch, kv_heads, n)], dim=-1)
         self._advance(arriving)
 
     def _attend_window(self, module, query, key, value, attention_mask, scaling, arriving, output=True):
@@ -257,6 +260,19 @@ class EvictionLayer(CacheLayerMixin):
         self.seen += arriving.shape[1]
         self.real_seen = self.real_seen + arriving.sum(-1)
         self.owner.peak_entries = max(self.owner.peak_entries, int(self.held.sum(-1).max()))
+
+    def fork(self, owner: EvictionCache, rows: torch.Tensor) -> EvictionLayer:
+        """A copy of this layer's state for sequences ``rows`` (indices), belonging to ``owner``."""
+        if self.pending is not None or self.slot is not None:
+            raise RuntimeError("a cache can be forked between forwards only")
+        layer = EvictionLayer(owner, self.layer_idx, self.window)
+        layer.seen, layer.moved, layer.is_initialized = self.seen, self.moved, self.is_initialized
+        for name in ("keys", "values", "held", "position", "scores", "real_seen", "kept"):
+            value = getattr(self, name, None)
+            setattr(layer, name, None if value is None else value.index_select(0, rows.to(value.device)).clone())
+        if self.plan is not None:
+            layer.plan = {key: value.index_select(0, rows.to(value.device)).clone() for key, value in self.plan.items()}
+        return layer
 
     def realised(self, lengths: torch.Tensor) -> torch.Tensor:
         """[B, Hkv] the capacity this layer realised per sequence and KV head, at most the length the budget
@@ -295,8 +311,10 @@ class EvictionCache(Cache):
     the cache is full, or none for policies that grow after their prompt. A fraction budget applies to ``length``
     (int or one per sequence) or, if None, to the first chunk's real length. ``one_forward``: the cache serves one
     whole-sequence forward and nothing after it (``patch``), so a chunk that can evict nothing is plain attention
-    and a policy that computes its own attention (the authors' H2O simulation) may run. Creating the cache routes
-    the model's attention through the h2o_eval backend; forwards without an EvictionCache keep plain SDPA.
+    and a policy that computes its own attention (the authors' H2O simulation) may run. ``decoding="grow"``:
+    nothing is evicted after the prompt's compression, whatever the policy's own rule (kvpress's pipeline, whose
+    presses act once). Creating the cache routes the model's attention through the h2o_eval backend; forwards
+    without an EvictionCache keep plain SDPA.
     """
 
     def __init__(
@@ -309,15 +327,20 @@ class EvictionCache(Cache):
         prompt: list[int] | None = None,
         kernels: str = "auto",
         one_forward: bool = False,
+        decoding: str = "evict",
     ) -> None:
         check_supported(model)
         check_protocol(policy, protocol, kernels)
+        check_decoding(protocol, decoding)
         if not policy.has_cache and not (one_forward and protocol == "simulate"):
             raise ConfigError(
                 f"policy {policy.name!r} exists only as a simulation of scoring, with no cache: use patch(..., "
                 "'simulate')"
             )
         self.policy, self.protocol, self.length, self.prompt = policy, protocol, length, prompt
+        self.decoding = decoding
+        # The rule the mechanism reads: the policy's, or with decoding=grow one that keeps every later token.
+        self.rule = dataclasses.replace(policy.rule, grows=True) if decoding == "grow" else policy.rule
         self.one_forward = one_forward
         self.kernel = kernel_function(kernels, next(model.parameters()).device)
         self.triton = _decode_triton(kernels, model)
@@ -328,6 +351,18 @@ class EvictionCache(Cache):
         self.lengths: list[int] | None = None
         super().__init__(layers=[EvictionLayer(self, i, window) for i, window in enumerate(windows)])
         install(model)
+
+    def fork(self, rows: list[int]) -> EvictionCache:
+        """A copy of this cache's state for the sequences ``rows``, which then evolves alone: several questions
+        are answered from one compressed context, each from its own copy, none seeing another's tokens. It costs
+        a copy of what the cache holds (at most C entries per layer and KV head) for the rows."""
+        index = torch.tensor(rows, dtype=torch.int64)
+        clone = copy.copy(self)
+        clone.lengths = None if self.lengths is None else [self.lengths[r] for r in rows]
+        clone.length = clone.lengths
+        clone.prompt = None if self.prompt is None else [self.prompt[r] for r in rows]
+        clone.layers = [layer.fork(clone, index) for layer in self.layers]
+        return clone
 
     def eviction_layer(self, layer: int) -> EvictionLayer:
         """The layer an attention call of ``layer`` attends through (see :mod:`h2o_eval.attention`)."""

@@ -485,6 +485,8 @@ def claim_slot(
     free = ~held
     if bool((~full & ~free.any(-1)).any()):
         return None
+    if not bool(full.any()):
+        return free.to(torch.int8).argmax(-1)
     candidate = held & ~_protected(position, now, recent, sinks)
     if bool((full & ~candidate.any(-1)).any()):
         raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")

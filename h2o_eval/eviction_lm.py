@@ -194,7 +194,10 @@ class EvictionLM(HFLM):
 
         batch = generation.Batch(ids, mask, width)
         began = time.perf_counter()
-        cache = EvictionCache(self.model, self.session.policy, protocol=self.session.protocol, kernels=self.kernels)
+        session = self.session
+        cache = EvictionCache(
+            self.model, session.policy, protocol=session.protocol, kernels=self.kernels, decoding=session.decoding
+        )
         generation.feed_context(self.model, cache, batch)
         sequences = super()._model_generate(
             ids,

@@ -50,22 +50,27 @@ def make_batch(contexts: list[list[int]], questions: list[list[int]], pad: int, 
     return Batch(torch.tensor(rows, device=device), torch.tensor(mask, device=device))
 
 
+def feed(model: Any, cache: EvictionCache | SharedPrompt, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Feed left-padded token columns through ``cache`` as one chunk (an empty cache prefills and compresses them);
+    their logits are never read."""
+    with torch.no_grad():
+        model(
+            input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            cache=cache,
+        )
+
+
 def feed_context(model: Any, cache: EvictionCache | SharedPrompt, batch: Batch) -> None:
     """Feed the context columns through ``cache`` as one chunk: the cache prefills and compresses them before the
     question exists. Nothing to do without a context width, or with an empty question (that is prefill)."""
     width = batch.context_width
     if width is None or width >= batch.input_ids.shape[1]:
         return
-    mask = batch.attention_mask[:, :width]
-    with torch.no_grad():
-        model(
-            batch.input_ids[:, :width],
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,  # the context's own logits are never read
-            cache=cache,
-        )
+    feed(model, cache, batch.input_ids[:, :width], batch.attention_mask[:, :width])
 
 
 def decode(model: Any, cache: EvictionCache, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any):
@@ -75,12 +80,12 @@ def decode(model: Any, cache: EvictionCache, input_ids: torch.Tensor, attention_
 
 
 def generate(
-    model: Any, policy: Policy, batch: Batch, *, protocol: str, kernels: str, **kwargs: Any
+    model: Any, policy: Policy, batch: Batch, *, protocol: str, kernels: str, decoding: str = "evict", **kwargs: Any
 ) -> tuple[torch.Tensor, EvictionCache]:
     """Generate for a batch through a fresh :class:`EvictionCache`: the context columns first (protocol=context),
     then ``generate`` feeds the rest of the prompt under the policy's decoding rule and decodes. Returns the
     sequences (prompt + new tokens) and the cache."""
-    cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels)
+    cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels, decoding=decoding)
     feed_context(model, cache, batch)
     return decode(model, cache, batch.input_ids, batch.attention_mask, **kwargs), cache
 

@@ -2,7 +2,7 @@
 heatmap of the score by needle depth and prompt length with one panel per (policy, budget, protocol), the full
 cache's panel first as the ceiling, and the score against the prompt length, a line per setting.
 
-They read the records that have a ``length`` (the synthetic tasks of :mod:`h2o_eval.longcontext`) and the
+They read the records that have a ``length`` (the RULER tasks of :mod:`h2o_eval.runners.long_context`) and the
 per-document outputs beside them, where each document's depth and score are.
 """
 

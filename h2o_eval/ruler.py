@@ -346,7 +346,15 @@ def generate(
     documents = _MEMO.get(key)
     if documents is None or len(documents) < count:
         generator = {"niah": _Niah, "vt": _VariableTracking, "cwe": _CommonWords, "fwe": _FrequentWords, "qa": _QA}
-        documents = generator[task["family"]](task, count_tokens, data_dir).documents(count)
+        try:
+            documents = generator[task["family"]](task, count_tokens, data_dir).documents(count)
+        except ValueError as error:  # random.sample from a haystack too short to take the needles
+            if "larger than population" not in str(error):
+                raise
+            raise ConfigError(
+                f"task.length={task['length']} is too short for task {task['name']}: its haystack has no room for "
+                "its needles; use a larger task.length"
+            ) from None
         _MEMO[key] = documents
     _MEMO.move_to_end(key)
     while len(_MEMO) > 16:

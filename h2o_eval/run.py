@@ -15,7 +15,7 @@ from typing import Any
 
 from h2o_eval import results, tracking
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import Policy, check_kernels, check_protocol, configured_policy
+from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol, configured_policy
 from h2o_eval.runners import Evaluation, runner_of
 from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
@@ -56,6 +56,7 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if runner.generates(task) and not policy.has_cache:
         raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
     check_protocol(policy, protocol, config["kernels"])
+    check_decoding(protocol, config["decoding"])
     from h2o_eval.models import check_available, resolve_device, resolve_dtype
 
     device = resolve_device(config["device"])

@@ -67,10 +67,10 @@ def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
 
 def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     """Reference: the long-context runner's evaluate, one cell at a time; implementation: evaluate_shared over all
-    the cells, in both protocols, batches of 3 (niah_multiquery's questions differ in length, so the context protocol
-    batches by length and pads)."""
-    settings = {"model": "tiny-llama", "task": "niah_multiquery", "limit": 6, "batch_size": 3}
-    settings |= {"task.length": 320, "task.max_new_tokens": 8}
+    the cells, in both protocols, batches of 3 documents of 2 questions (whose lengths differ, so the context protocol
+    answers them in groups of one length from copies of the compressed cache)."""
+    settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 6, "batch_size": 3}
+    settings |= {"task.length": 700, "task.max_new_tokens": 8, "task.questions": 2}
     cells = [(p, "prefill", b) for p, b in POLICIES[:4]] + [(p, "context", b) for p, b in POLICIES[3:]]
     configs = [
         validate(make_config(data_dir, tmp_path, **settings, policy=p, protocol=protocol, budget=b))
@@ -95,7 +95,7 @@ def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch
     refused in one line; each record sits where ``python -m h2o_eval`` looks for it (a run of the same cell
     skips), and answers as a separate run does."""
     monkeypatch.chdir(tmp_path)
-    args = ["model=tiny-llama", "task=niah_single", "task.length=256", "++task.max_new_tokens=6", "limit=4"]
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=700", "++task.max_new_tokens=6", "limit=4"]
     args += ["batch_size=2", f"data_dir={data_dir}", "results_dir=grid", "wandb.mode=disabled"]
     sweep = [*args, "policy=h2o,snapkv,full", "budget=0.3,0.5", "protocol=prefill,context,simulate"]
     with pytest.raises(SystemExit) as stopped:
@@ -105,13 +105,13 @@ def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch
     assert stopped.value.code == 1 and len(refusals) == 2 and all("policy=snapkv" in line for line in refusals)
     # full is one setting at every budget: 2 x h2o, 2 x snapkv, 1 x full per protocol, one h2o and full simulate
     assert "13 cells, 0 with records, 13 to compute, 2 refused" in out
-    assert "10 cells of niah_single share their prompts" in out
-    assert out.count("tiny-llama | niah_single") == 26  # each record's line, then the summary table
+    assert "10 cells of niah_single_1 share their prompts" in out
+    assert out.count("tiny-llama | niah_single_1") == 26  # each record's line, then the summary table
     records = sorted((tmp_path / "grid").glob("*.json"))
     assert len(records) == 13
     shared = [json.loads(p.read_text()) for p in records if "prefill" in p.name or "context" in p.name]
     assert [r["generation"]["shared_prompt_cells"] for r in shared] == [10] * 10
-    cell = {"model": "tiny-llama", "task": "niah_single", "task.length": 256, "++task.max_new_tokens": 6}
+    cell = {"model": "tiny-llama", "task": "niah_single_1", "task.length": 700, "++task.max_new_tokens": 6}
     cell |= {"limit": 4, "batch_size": 2, "policy": "h2o", "budget": 0.5, "protocol": "context"}
     assert execute(make_config(data_dir, tmp_path / "grid", **cell))[0] == "skipped"
     status, alone = execute(make_config(data_dir, tmp_path / "alone", **cell))
@@ -130,7 +130,7 @@ def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch
 
 def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as stopped:
-        grid.main(["model=tiny-llama", "task=niah_single", "policy=h2o,nope", f"results_dir={tmp_path / 'r'}"])
+        grid.main(["model=tiny-llama", "task=niah_single_1", "policy=h2o,nope", f"results_dir={tmp_path / 'r'}"])
     assert stopped.value.code == 2
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and "Could not find 'policy/nope'" in error and "snapkv" in error
@@ -140,7 +140,7 @@ def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
 
 
 def test_grid_records_name_the_commit_their_cells_started_from(data_dir, tmp_path, commit_lands_during_the_run):
-    args = ["model=tiny-llama", "task=niah_single", "task.length=128", "++task.max_new_tokens=2", "limit=2"]
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=600", "++task.max_new_tokens=2", "limit=2"]
     grid.main(
         [*args, "policy=h2o,local", "budget=0.5", "protocol=prefill", f"data_dir={data_dir}"]
         + [f"results_dir={tmp_path / 'grid'}", "wandb.mode=disabled"]

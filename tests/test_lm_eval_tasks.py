@@ -243,8 +243,8 @@ def test_every_runner_that_generates_records_the_same_generation_and_capacity_fi
         tmp_path / "work",
     )  # fmt: skip
     generated["long_context"] = run_config(
-        make_config(data_dir, tmp_path / "niah", task="niah_single", **settings,
-                    **{"task.length": 160, "task.max_new_tokens": 4}),
+        make_config(data_dir, tmp_path / "niah", task="niah_single_1", **settings,
+                    **{"task.length": 600, "task.max_new_tokens": 4}),
         tmp_path / "work",
     )  # fmt: skip
     folders = {"lm_eval": None, "summarisation": tmp_path / "xsum", "long_context": tmp_path / "niah"}

@@ -18,8 +18,8 @@ from scipy.stats import chisquare
 from h2o_eval import ruler
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
-from h2o_eval.harness import task_registry
 from h2o_eval.models import smollm2_tokenizer
+from h2o_eval.runners import task_registry
 
 # sha256 (first 16 hex digits) of json.dumps([input, outputs]) of samples 0-2 that RULER e40fae1's prepare.py wrote
 # for each task (Llama-3 tokenizer, hf, max_seq_length 4096, base template, seed 42), with shared/data's essays,

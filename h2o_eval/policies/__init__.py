@@ -14,12 +14,15 @@ from typing import Any
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies.adakv import AdaKV
 from h2o_eval.policies.base import (
+    DECODINGS,
     KERNELS,
     PROTOCOLS,
+    ROUNDINGS,
     UNBOUNDED,
     Plan,
     Policy,
     Rule,
+    check_decoding,
     check_kernels,
     check_protocol,
 )
@@ -40,13 +43,16 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 __all__ = [
+    "DECODINGS",
     "KERNELS",
     "POLICIES",
     "PROTOCOLS",
+    "ROUNDINGS",
     "UNBOUNDED",
     "Plan",
     "Policy",
     "Rule",
+    "check_decoding",
     "check_kernels",
     "check_protocol",
     "configured_policy",
@@ -56,7 +62,7 @@ __all__ = [
 
 
 def _parameters(cls: type[Policy]) -> set[str]:
-    return {f.name for f in fields(cls)} - {"budget"}
+    return {f.name for f in fields(cls)} - {"budget", "rounding"}
 
 
 def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
@@ -70,27 +76,28 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
     cls = POLICIES[name]
     if cls is AdaKV:
         own = {key: params.pop(key) for key in ("alpha",) if key in params}
+        own |= {key: params[key] for key in ("rounding",) if key in params}
         base = params.pop("base", "snapkv")
         if base not in POLICIES or base == name:
             valid = [n for n in POLICIES if n != name and AdaKV.refusal(example_policy(n)) is None]
             raise ConfigError(f"adakv: base={base!r}: use one of {', '.join(valid)}")
         return AdaKV(budget=budget, base=make_policy(base, budget, **params), **own)
-    allowed = _parameters(cls)
-    if unknown := set(params) - allowed:
+    own = _parameters(cls)
+    if unknown := set(params) - own - {"rounding"}:
         raise ConfigError(
             f"policy {name!r} takes no {', '.join(sorted(unknown))}: its parameters are "
-            f"{', '.join(sorted(allowed)) or 'budget only'}"
+            f"{', '.join(sorted(own)) or 'budget only'}"
         )
     if cls is Full:
-        return Full()
+        return Full(**{key: params[key] for key in ("rounding",) if key in params})
     return cls(budget=budget, **params)
 
 
 def configured_policy(config: Mapping[str, Any]) -> Policy:
     """The policy a run's config names: its ``policy`` group (the name and the policy's own parameters) at its
-    ``budget``."""
+    ``budget``, rounded as its ``rounding`` says."""
     params = {key: value for key, value in config["policy"].items() if key != "name"}
-    return make_policy(config["policy"]["name"], budget=config["budget"], **params)
+    return make_policy(config["policy"]["name"], budget=config["budget"], rounding=config["rounding"], **params)
 
 
 def example_policy(name: str, budget: float | int = 0.5) -> Policy:

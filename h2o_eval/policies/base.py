@@ -25,6 +25,12 @@ import torch
 from h2o_eval.errors import ConfigError
 
 PROTOCOLS = ("simulate", "prefill", "context")
+# How a fraction budget b of a length L becomes C: up = ceil(b * L) (the default: C never falls short of the
+# budget), down = int(b * L) (kvpress's int(L * (1 - compression_ratio))); C is at least 1 either way.
+ROUNDINGS = ("up", "down")
+# After a prefill/context compression: evict = the policy's own rule (evicting policies keep evicting one token per
+# arriving token); grow = nothing is evicted after the compression (kvpress's pipeline, whose presses act once).
+DECODINGS = ("evict", "grow")
 # Implementations of the mechanism: auto (Triton kernels on CUDA, the numba-compiled scan elsewhere), torch (the
 # plain reference loop), triton (the Triton kernels, forced).
 KERNELS = ("auto", "torch", "triton")
@@ -171,9 +177,12 @@ class Policy:
 
     Args:
         budget: fraction of the sequence in (0, 1], or an integer number of tokens >= 1.
+        rounding: how a fraction budget becomes C (``ROUNDINGS``): ``up`` = ceil(budget * length), ``down`` =
+            int(budget * length) as kvpress rounds its kept count; C is at least 1.
     """
 
     budget: float | int = 0.2
+    rounding: str = "up"
     name: ClassVar[str]
     # The protocols the policy exists in (see README): simulate, prefill, context.
     protocols: ClassVar[tuple[str, ...]] = PROTOCOLS
@@ -189,14 +198,18 @@ class Policy:
                 f"budget={budget!r}: use a fraction in (0, 1] such as 0.2, or a token count >= 1 (1 is one token; "
                 "1.0 the whole cache)"
             )
+        if self.rounding not in ROUNDINGS:
+            raise ConfigError(f"rounding={self.rounding!r}: use one of {', '.join(ROUNDINGS)}")
 
     @property
     def rule(self) -> Rule:
         return Rule()
 
     def capacity(self, length: int) -> int:
-        """C for a sequence of ``length`` tokens (fractions round up, and C is never below 1)."""
+        """C for a sequence of ``length`` tokens (fractions round as ``rounding`` says, and C is never below 1)."""
         if isinstance(self.budget, float):
+            if self.rounding == "down":
+                return max(1, int(self.budget * length))
             return max(1, math.ceil(self.budget * length - 1e-9))
         return self.budget
 
@@ -247,6 +260,17 @@ def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:
         )
     if kernels not in KERNELS:
         raise ConfigError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
+
+
+def check_decoding(protocol: str, decoding: str) -> None:
+    """Refuse a decoding rule that does not exist, or ``grow`` where nothing is compressed (simulate)."""
+    if decoding not in DECODINGS:
+        raise ConfigError(f"decoding={decoding!r}: use one of {', '.join(DECODINGS)}")
+    if decoding == "grow" and protocol == "simulate":
+        raise ConfigError(
+            "decoding=grow keeps every token after a prompt's compression, and simulate compresses none: use "
+            "protocol=prefill or context (or decoding=evict)"
+        )
 
 
 def check_kernels(kernels: str, device_type: str) -> None:

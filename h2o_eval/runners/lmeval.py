@@ -242,7 +242,7 @@ class LmEvalRunner(Runner):
         with tempfile.TemporaryDirectory(prefix="h2o_eval-lm_eval-") as folder:
             manager = task_manager(task, config["data_dir"], Path(folder))
             lm_task = manager.load([task["name"]])["tasks"][task["name"]]
-        with patch(model, policy, protocol=config["protocol"], kernels=config["kernels"]) as session:
+        with patch(model, policy, config["protocol"], config["kernels"], config["decoding"]) as session:
             lm = EvictionLM(
                 pretrained=model,
                 tokenizer=tokenizer,

@@ -165,6 +165,7 @@ class SummarisationRunner(Runner):
                 ends,
                 protocol=protocol,
                 kernels=config["kernels"],
+                decoding=config["decoding"],
                 max_new_tokens=max_new_tokens,
                 do_sample=settings["sample"],
                 temperature=settings["temperature"] if settings["sample"] else None,
