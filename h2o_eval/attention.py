@@ -6,12 +6,15 @@ attention_mask, scaling=..., **kwargs)``, where ``kwargs`` are the attention mod
 eviction state travels there explicitly: :func:`install` puts a forward pre-hook on every attention module that
 looks at the cache the decoder layer hands the module (the ``cache`` argument; ``layer_past`` in GPT-NeoX) and, if
 it is an eviction cache (anything with ``eviction_layer``), adds that cache's layer for ``module.layer_idx`` as the
-keyword ``eviction``, which transformers passes on to the attention function. An attention call without it is
-plain SDPA. No state is kept here.
+keyword ``eviction`` (and the module's input as ``eviction_input``, from which a policy's scorer may recompute the
+queries before rotary embedding), which transformers passes on to the attention function. An attention call
+without it is plain SDPA. No state is kept here.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,13 +47,14 @@ def _attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     eviction: Any = None,
+    eviction_input: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The registered attention function: the eviction layer's attention when the call carries one, else SDPA."""
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if eviction is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
-    output = eviction.attend(module, query, key, value, attention_mask, scaling)
+    output = eviction.attend(module, query, key, value, attention_mask, scaling, hidden_states=eviction_input)
     return output.transpose(1, 2).contiguous(), None
 
 
@@ -62,7 +66,8 @@ def _route(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tupl
     """Forward pre-hook of an attention module: the eviction cache among its arguments hands over its layer."""
     for value in kwargs.values():
         if hasattr(value, "eviction_layer"):
-            return args, {**kwargs, "eviction": value.eviction_layer(module.layer_idx)}
+            hidden_states = kwargs.get("hidden_states", args[0] if args else None)
+            return args, {**kwargs, "eviction": value.eviction_layer(module.layer_idx), "eviction_input": hidden_states}
     return None
 
 
@@ -85,6 +90,25 @@ def install(model: torch.nn.Module) -> None:
     if _check not in model.get_decoder()._forward_hooks.values():
         model.get_decoder().register_forward_hook(_check, with_kwargs=True)
     model.set_attn_implementation(BACKEND)
+
+
+def rotary_function(model: torch.nn.Module) -> Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """``cos_sin(layer, positions)``: the (cos, sin) [m, D] the model's rotary embedding gives ``layer`` at the
+    positions [m] (Gemma 3's differ between sliding and global layers); None for a model without rotary embedding."""
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    if rotary is None:
+        return None
+    kinds = getattr(_text_config(model), "layer_types", None)
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters
+    dtype = next(model.parameters()).dtype
+
+    def cos_sin(layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.zeros(1, dtype=dtype, device=positions.device)
+        extra = (kinds[layer],) if typed else ()
+        cos, sin = rotary(probe, positions.view(1, -1), *extra)
+        return cos[0], sin[0]
+
+    return cos_sin
 
 
 def plain_attention(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
@@ -147,7 +171,11 @@ def layer_windows(model: torch.nn.Module) -> tuple[list[int | None], int | None]
     ``sliding_window`` set; no ``layer_types``) the policy compresses every layer, and a sequence longer than W
     is refused.
     """
-    config = _text_config(model)
+    return windows_of(_text_config(model))
+
+
+def windows_of(config: Any) -> tuple[list[int | None], int | None]:
+    """:func:`layer_windows` from a model's (text) config alone, before any weights load."""
     window = getattr(config, "sliding_window", None)
     kinds = getattr(config, "layer_types", None)
     if not kinds or all(kind == "sliding_attention" for kind in kinds):

@@ -11,9 +11,12 @@ a fresh one. Each layer's attention call reaches its :class:`EvictionLayer` thro
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import functools
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,10 +31,20 @@ from h2o_eval.attention import (
     kv_head_count,
     layer_windows,
     plain_attention,
+    rotary_function,
 )
 from h2o_eval.errors import ConfigError
-from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, attend_chunk_triton, attend_held, claim_slot
+from h2o_eval.eviction import (
+    Chunk,
+    attend_chunk,
+    attend_chunk_reference,
+    attend_chunk_triton,
+    attend_held,
+    claim_slot,
+    compress,
+)
 from h2o_eval.policies import UNBOUNDED, Policy, check_decoding, check_kernels, check_protocol
+from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
 
 # auto: Triton on CUDA tensors, the numba-compiled scan elsewhere; torch: the plain reference loop; triton: forced.
 KERNEL_FUNCTIONS = {"auto": attend_chunk, "torch": attend_chunk_reference, "triton": attend_chunk_triton}
@@ -98,6 +111,7 @@ class EvictionLayer(CacheLayerMixin):
         self.plan: dict[str, torch.Tensor] | None = None
         self.moved = False  # whether slots stopped being the model's own positions (an eviction or compaction)
         self.kept: torch.Tensor | None = None  # [B, Hkv] tokens held right after the prompt was compressed
+        self.rehearsed: torch.Tensor | None = None  # [B, Hkv, S] the compression scores of a deferred prompt
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, kv_heads, _, _ = key_states.shape
@@ -153,15 +167,19 @@ class EvictionLayer(CacheLayerMixin):
         self.scores.scatter_(-1, at, fresh)
         return slot
 
-    def attend(self, module, query, key, value, attention_mask, scaling, output: bool = True) -> torch.Tensor | None:
+    def attend(
+        self, module, query, key, value, attention_mask, scaling, output: bool = True, hidden_states=None
+    ) -> torch.Tensor | None:
         """This layer's attention for the chunk ``update`` just took, and the cache state after it. Without
         ``output`` (a :class:`SharedPrompt` pass, which computes the prompt's attention once) only the state is
-        computed, and None returned."""
+        computed, and None returned. ``hidden_states``: the attention module's input (a scorer may read it)."""
         self.pending = None
         owner = self.owner
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
         check_kv_heads(module, query, key, owner.kv_heads)
         arriving = key_validity(attention_mask, batch, n, key.device)
+        if owner.rehearsing is not None:
+            return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
         check_window(owner.window, int((self.real_seen + arriving.sum(-1)).max()))
         if self.window is not None:
             return self._attend_window(module, query, key, value, attention_mask, scaling, arriving, output)
@@ -183,11 +201,33 @@ class EvictionLayer(CacheLayerMixin):
                 return own
         new_position = (self.real_seen.unsqueeze(-1) + arriving.cumsum(-1) - 1).clamp(min=0)
         new_position = new_position.unsqueeze(1).expand(batch, kv_heads, n)
-        if not self.moved and self._evicts_nothing(first, arriving):
-            self._keep_all(key, value, arriving, new_position)
+        if first and owner.deferred or not self.moved and self._evicts_nothing(first, arriving):
+            self._keep_all(key, value, arriving, new_position)  # a deferred prompt is compressed after its passes
             return plain_attention(module, query, key, value, attention_mask, scaling) if output else None
         position = torch.cat([self.position, new_position], dim=-1).contiguous()
         fresh = starting_scores(owner.policy, key[:, :, -n:], new_position, self.layer_idx)
+        prefill = owner.prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device)
+        rescore = None
+        if first and owner.policy.rescores:
+            rows = torch.arange(n, device=key.device)
+            prompt = Prompt(
+                module=module,
+                layer=self.layer_idx,
+                query=query,
+                key=key,
+                value=value,
+                position=new_position[:, 0],
+                real=arriving & (rows < prefill.view(-1, 1)),
+                capacity=self.plan["capacity"],
+                hidden_states=hidden_states,
+                rotary=owner.rotary_of(self.layer_idx),
+                scaling=scaling,
+            )
+
+            def rescore(scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+                found = owner.policy.compression_scores(prompt, scores, protected)
+                return scores if found is None else found.float()
+
         chunk = Chunk(
             held=torch.cat([self.held, torch.zeros(batch, kv_heads, n, dtype=torch.bool, device=key.device)], -1),
             arriving=arriving,
@@ -196,20 +236,27 @@ class EvictionLayer(CacheLayerMixin):
             capacity=self.plan["capacity"],
             recent=self.plan["recent"],
             sinks=self.plan["sinks"],
-            prefill=owner.prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device),
+            prefill=prefill,
             rule=owner.rule,
             scaling=scaling,
             output=output,
+            rescore=rescore,
         )
         result = owner.kernel(query, key, value, chunk)
         self.plan["capacity"] = result.capacity
         if result.kept is not None:
             self.kept = result.kept
         entered = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
-        held, scores = result.held, result.scores
-        if torch.equal(held, entered):  # nothing left: the slots stay as they are
+        self._keep(key, value, result.held, position, result.scores, entered)
+        self._advance(arriving)
+        return result.output
+
+    def _keep(self, key, value, held, position, scores, entered) -> None:
+        """The state after a chunk: its slots as they are if nothing left, else only the held slots (per head,
+        padded to the fullest head)."""
+        if torch.equal(held, entered):
             self.keys, self.values = key, value
-        else:  # keep only held slots (per head, padded to the fullest head)
+        else:
             self.moved = True
             size = int(held.sum(-1).max())
             order = torch.argsort((~held).to(torch.int8), dim=-1, stable=True)[..., :size]
@@ -217,8 +264,46 @@ class EvictionLayer(CacheLayerMixin):
             self.values = value.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, value.shape[-1]))
             held, position, scores = held.gather(-1, order), position.gather(-1, order), scores.gather(-1, order)
         self.held, self.position, self.scores = held, position, scores
-        self._advance(arriving)
-        return result.output
+
+    def _rehearse(self, module, query, key, value, attention_mask, scaling, arriving, hidden_states) -> torch.Tensor:
+        """An extra pass (:meth:`EvictionCache.rehearsal`): its tokens attend to the held slots and to each other,
+        the policy scores the slots by what the pass shows it, and the pass's keys and values are dropped (the
+        state stays the prompt's). A sliding layer only attends."""
+        mask = None if attention_mask is None else attention_mask[..., -key.shape[2] :]
+        output = plain_attention(module, query, key, value, mask, scaling)
+        if self.window is None:
+            owner = self.owner
+            rehearsal = Rehearsal(
+                index=owner.rehearsing,
+                script=owner.script,
+                module=module,
+                layer=self.layer_idx,
+                query=query,
+                key=key,
+                value=value,
+                held=self.held,
+                position=self.position,
+                real=arriving,
+                scaling=scaling,
+                hidden_states=hidden_states,
+            )
+            before = torch.zeros_like(self.scores) if self.rehearsed is None else self.rehearsed
+            self.rehearsed = owner.policy.rehearse(rehearsal, before).float()
+        return output
+
+    def compress_prompt(self, capacity: torch.Tensor) -> None:
+        """Compress a deferred prompt (after its extra passes) to ``capacity`` [B, Hkv] by the scores the passes
+        gave it, as a prompt is compressed (:func:`h2o_eval.eviction.compress`)."""
+        if self.window is not None:
+            return
+        owner = self.owner
+        scores = self.scores if self.rehearsed is None else self.rehearsed
+        held, scores, after = compress(
+            self.held, scores, self.position, capacity, self.plan["recent"], self.plan["sinks"], self.real_seen - 1,
+            owner.rule,
+        )  # fmt: skip
+        self.plan["capacity"], self.kept, self.rehearsed = after, held.sum(-1), None
+        self._keep(self.keys, self.values, held, self.position, scores, self.held)
 
     def _evicts_nothing(self, first: bool, arriving: torch.Tensor) -> bool:
         """Whether this chunk is plain attention: nothing is ever evicted (an unbounded capacity), or, for a cache
@@ -267,7 +352,7 @@ class EvictionLayer(CacheLayerMixin):
             raise RuntimeError("a cache can be forked between forwards only")
         layer = EvictionLayer(owner, self.layer_idx, self.window)
         layer.seen, layer.moved, layer.is_initialized = self.seen, self.moved, self.is_initialized
-        for name in ("keys", "values", "held", "position", "scores", "real_seen", "kept"):
+        for name in ("keys", "values", "held", "position", "scores", "real_seen", "kept", "rehearsed"):
             value = getattr(self, name, None)
             setattr(layer, name, None if value is None else value.index_select(0, rows.to(value.device)).clone())
         if self.plan is not None:
@@ -337,6 +422,11 @@ class EvictionCache(Cache):
                 f"policy {policy.name!r} exists only as a simulation of scoring, with no cache: use patch(..., "
                 "'simulate')"
             )
+        if one_forward and policy.rehearses:
+            raise ConfigError(
+                f"policy {policy.name!r} scores its prompt by extra passes before compressing it, which one "
+                "whole-sequence forward cannot run: use it on a generation task"
+            )
         self.policy, self.protocol, self.length, self.prompt = policy, protocol, length, prompt
         self.decoding = decoding
         # The rule the mechanism reads: the policy's, or with decoding=grow one that keeps every later token.
@@ -349,8 +439,44 @@ class EvictionCache(Cache):
         self.num_layers = len(windows)
         self.kv_heads = kv_head_count(model)
         self.lengths: list[int] | None = None
+        self.rotary = rotary_function(model)
+        # A policy that scores its prompt by extra passes holds it whole until they ran (compress_prompt).
+        self.deferred = policy.rehearses and protocol != "simulate"
+        self.rehearsing: int | None = None  # the extra pass being fed, if any
+        self.script: Script | None = None  # what the extra passes were built from
         super().__init__(layers=[EvictionLayer(self, i, window) for i, window in enumerate(windows)])
         install(model)
+
+    def rotary_of(self, layer: int) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+        """``rotary(positions)`` -> (cos, sin) of ``layer``'s rotary embedding, or None (see :class:`Prompt`)."""
+        if self.rotary is None:
+            return None
+        return functools.partial(self.rotary, layer)
+
+    @contextlib.contextmanager
+    def rehearsal(self, index: int, script: Script) -> Iterator[None]:
+        """Within the block, forwards through this cache are extra pass ``index`` (built from ``script``) of a
+        deferred prompt: they score its slots (the policy's :meth:`~h2o_eval.policies.Policy.rehearse`) and leave
+        the state as it was."""
+        if not self.deferred or any(layer.kept is not None for layer in self.layers):
+            raise RuntimeError("extra passes run between a deferred prompt and its compression only")
+        self.rehearsing, self.script = index, script
+        try:
+            yield
+        finally:
+            self.rehearsing = None
+
+    def compress_prompt(self) -> None:
+        """Compress a deferred prompt after its extra passes: each layer to its planned C, or to the capacities
+        the policy allocates across layers from all their scores (:meth:`~h2o_eval.policies.Policy.allocate`)."""
+        layers = [layer for layer in self.layers if layer.window is None]
+        planned = [layer.plan["capacity"] for layer in layers]
+        scores = [layer.scores if layer.rehearsed is None else layer.rehearsed for layer in layers]
+        held = [layer.held for layer in layers]
+        capacities = self.policy.allocate(scores, held, planned) or planned
+        for layer, capacity in zip(layers, capacities, strict=True):
+            layer.compress_prompt(capacity)
+        self.deferred = False
 
     def fork(self, rows: list[int]) -> EvictionCache:
         """A copy of this cache's state for the sequences ``rows``, which then evolves alone: several questions
@@ -486,9 +612,9 @@ class SharedPromptLayer(CacheLayerMixin):
             raise RuntimeError("SharedPrompt feeds the first chunk of empty caches only")
         return [layer.update(key_states, value_states) for layer in self.layers][0]
 
-    def attend(self, module, query, key, value, attention_mask, scaling) -> torch.Tensor:
+    def attend(self, module, query, key, value, attention_mask, scaling, hidden_states=None) -> torch.Tensor:
         for layer in self.layers:
-            layer.attend(module, query, key, value, attention_mask, scaling, output=False)
+            layer.attend(module, query, key, value, attention_mask, scaling, output=False, hidden_states=hidden_states)
         return plain_attention(module, query, key, value, attention_mask, scaling)
 
     def check_attended(self) -> None:

@@ -26,6 +26,7 @@ CUDA), :func:`compress` vectorised, and the decode phase as the numba-compiled r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -58,6 +59,8 @@ class Chunk:
     rule: the policy's score rule.
     output: False when the caller computes the prompt rows' attention itself (:class:`h2o_eval.cache.SharedPrompt`):
     they then only vote, and their output is left zero.
+    rescore: when the prompt is compressed, the policy's own scores from its pooled ones: ``rescore(scores,
+    protected)`` with scores and the protected tokens [B, Hkv, N] -> scores [B, Hkv, N] (None: as they are).
     """
 
     held: torch.Tensor
@@ -71,6 +74,7 @@ class Chunk:
     rule: Rule
     scaling: float
     output: bool = True
+    rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -140,11 +144,13 @@ def compress(
     sinks: torch.Tensor,
     now: torch.Tensor,
     rule: Rule,
+    rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Compress a prompt's cache to its capacity; returns (held, scores, capacity after the prompt).
 
     ``now`` [B] is the position of each sequence's last prompt token (-1: no prompt, nothing changes). The
-    scores of the tokens older than the recent window are pooled (``rule.pooling``); the protected tokens stay;
+    scores of the tokens older than the recent window are pooled (``rule.pooling``), then handed to ``rescore``
+    (the policy's own scores, see :class:`Chunk`); the protected tokens stay;
     of the rest, the lowest (score, position) go until each KV head holds its C. With ``rule.safeguard`` the
     heads of the layer share their Hkv * C slots instead: each keeps its protected tokens and its
     floor(safeguard * C) best, the remaining slots go to the best of the layer (ties: lowest score, then smallest
@@ -157,6 +163,8 @@ def compress(
     protected = _protected(position, now, recent, sinks) & held
     older = held & (position <= (now - recent).view(-1, 1, 1)) & active
     scores = pool_scores(scores, older, rule)
+    if rescore is not None:
+        scores = torch.where(active, rescore(scores, protected & active), scores)
     candidate = held & ~protected & active
     # Rank candidates per head, best first: higher score, then larger position (ties: the oldest goes).
     order = torch.argsort(-position, dim=-1, stable=True)
@@ -265,6 +273,9 @@ def _reference_compress(held, scores, position, capacity, chunk, now, compressin
             row = scores[b, h, where].view(1, 1, -1)
             pooled = pool(row, rule.kernel_size, stride=1, padding=rule.kernel_size // 2)
             scores[b, h, where] = pooled.flatten()
+    if chunk.rescore is not None:
+        active = compressing.view(-1, 1, 1)
+        scores = torch.where(active, chunk.rescore(scores, protected & held & active), scores)
     for b in torch.nonzero(compressing).flatten().tolist():
         if rule.safeguard is None:
             for h in range(kv_heads):
@@ -358,7 +369,7 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
     held[..., :last] |= rows.unsqueeze(1)
     now = torch.where(rows.any(-1), chunk.position[:, 0].masked_fill(~in_prompt, -1).amax(-1), -1)
     held, scores, capacity = compress(
-        held, scores, chunk.position, chunk.capacity, chunk.recent, chunk.sinks, now, rule
+        held, scores, chunk.position, chunk.capacity, chunk.recent, chunk.sinks, now, rule, chunk.rescore
     )
     return full_output, held, scores, capacity
 

@@ -189,7 +189,9 @@ class EvictionLM(HFLM):
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
 
     def _generate(self, ids, mask, width, max_length, stop, generation_kwargs):
-        """HFLM's ``model.generate`` call through a fresh :class:`EvictionCache` (context columns fed first)."""
+        """HFLM's ``model.generate`` call through a fresh :class:`EvictionCache`: the context columns fed first,
+        a policy that scores its prompt by extra passes running them before the compression (under ``prefill``
+        the prompt's forward also gives the first token)."""
         from h2o_eval.cache import EvictionCache
 
         batch = generation.Batch(ids, mask, width)
@@ -198,7 +200,20 @@ class EvictionLM(HFLM):
         cache = EvictionCache(
             self.model, session.policy, protocol=session.protocol, kernels=self.kernels, decoding=session.decoding
         )
+        if cache.policy.needs_answer:
+            raise ConfigError(
+                f"policy {cache.policy.name!r} needs each request's full-cache answer, which lm-eval's "
+                "generate_until requests do not give it: use it on a long-context or summarisation task"
+            )
         generation.feed_context(self.model, cache, batch)
+        if width is not None:
+            questions = ids[:, width:].tolist()
+            generation.settle(self.model, cache, self.tokenizer, ids[:, :width], mask[:, :width], questions)
+        elif cache.deferred:
+            ids = super()._model_generate(ids, ids.shape[1] + 1, stop, attention_mask=mask, cache=cache,
+                                          **generation_kwargs)  # fmt: skip
+            generation.settle(self.model, cache, self.tokenizer, batch.input_ids, mask, [[]] * ids.shape[0])
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         sequences = super()._model_generate(
             ids,
             max_length,

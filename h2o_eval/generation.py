@@ -9,6 +9,7 @@ all contexts end in one column. Under the other protocols the prompt is whole (i
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,8 @@ from typing import Any
 import torch
 
 from h2o_eval.cache import CapacityLog, EvictionCache, SharedPrompt
-from h2o_eval.policies import Policy
+from h2o_eval.policies import Full, Policy
+from h2o_eval.policies.inputs import Script
 
 
 @dataclass
@@ -79,15 +81,99 @@ def decode(model: Any, cache: EvictionCache, input_ids: torch.Tensor, attention_
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
 
 
+def answers(model: Any, ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, **kwargs: Any) -> list[list[int]]:
+    """The full cache's answers to left-padded prompts (each row's generated tokens, :func:`new_tokens`)."""
+    full = EvictionCache(model, Full(), protocol="prefill")
+    sequences = decode(model, full, ids, mask, tokenizer=tokenizer, **kwargs)
+    return new_tokens(sequences, ids.shape[1], end_tokens(tokenizer))
+
+
+def settle(
+    model: Any,
+    cache: EvictionCache,
+    tokenizer: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    questions: list[list[int]],
+    **kwargs: Any,
+) -> None:
+    """After a cache's first chunk (``ids``/``mask``, left-padded): a policy that scores its prompt by extra passes
+    (:meth:`~h2o_eval.policies.Policy.passes`) runs them now, each fed through the cache (positions after each
+    row's chunk, shorter passes padded at their end) and dropped again, and the prompt is then compressed.
+    ``questions``: per row the tokens that follow the chunk (protocol=context), or none. A policy whose passes
+    need the full cache's answer (the oracle) has it generated first, greedily like the evaluation (``kwargs``).
+    Nothing to do for any other policy (it compressed its prompt as it came)."""
+    if not cache.deferred:
+        return
+    rows = [ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0])]
+    answer = None
+    if cache.policy.needs_answer:
+        asked = torch.tensor(questions, dtype=ids.dtype, device=ids.device).view(ids.shape[0], -1)
+        answer = answers(
+            model, torch.cat([ids, asked], 1), torch.cat([mask, torch.ones_like(asked, dtype=mask.dtype)], 1),
+            tokenizer, **kwargs,
+        )  # fmt: skip
+    script = Script(rows, [list(q) for q in questions], answer, tokenizer)
+    pad = tokenizer.pad_token_id
+    for index, tokens in enumerate(cache.policy.passes(script)):
+        width = max(len(t) for t in tokens)
+        if width == 0:
+            continue
+        extra = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], device=ids.device)
+        extra_mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in tokens], device=ids.device)
+        positions = mask.sum(-1, keepdim=True) + torch.arange(width, device=ids.device)
+        with torch.no_grad(), cache.rehearsal(index, script):
+            model(
+                extra,
+                attention_mask=torch.cat([mask, extra_mask.to(mask.dtype)], 1),
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                cache=cache,
+            )
+    cache.compress_prompt()
+
+
+def complete(model: Any, cache: EvictionCache, batch: Batch, tokenizer: Any, **kwargs: Any) -> torch.Tensor:
+    """Generate for a batch through ``cache`` (empty, or already holding the batch's context columns): under
+    ``protocol=context`` the context columns are fed first and compressed before the question exists; a policy
+    that scores its prompt by extra passes runs them before the compression (:func:`settle`; under ``prefill``
+    the prompt's forward also gives the first new token, the rest follows the compression). Returns the sequences
+    (prompt + new tokens)."""
+    ids, mask, width = batch.input_ids, batch.attention_mask, batch.context_width
+    kwargs = kwargs | {"tokenizer": tokenizer}
+    settled = {key: value for key, value in kwargs.items() if key != "tokenizer"}
+    if width is not None and width < ids.shape[1]:
+        if cache.get_seq_length() == 0:
+            feed(model, cache, ids[:, :width], mask[:, :width])
+        settle(model, cache, tokenizer, ids[:, :width], mask[:, :width], ids[:, width:].tolist(), **settled)
+        return decode(model, cache, ids, mask, **kwargs)
+    if not cache.deferred:
+        return decode(model, cache, ids, mask, **kwargs)
+    new = kwargs.get("max_new_tokens") or 1
+    first = decode(model, cache, ids, mask, **kwargs | {"max_new_tokens": 1})
+    settle(model, cache, tokenizer, ids, mask, [[] for _ in range(ids.shape[0])], **settled)
+    if new == 1:
+        return first
+    longer = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
+    return decode(model, cache, first, longer, **kwargs | {"max_new_tokens": new - 1})
+
+
 def generate(
-    model: Any, policy: Policy, batch: Batch, *, protocol: str, kernels: str, decoding: str = "evict", **kwargs: Any
+    model: Any,
+    policy: Policy,
+    batch: Batch,
+    tokenizer: Any,
+    *,
+    protocol: str,
+    kernels: str,
+    decoding: str = "evict",
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, EvictionCache]:
-    """Generate for a batch through a fresh :class:`EvictionCache`: the context columns first (protocol=context),
-    then ``generate`` feeds the rest of the prompt under the policy's decoding rule and decodes. Returns the
-    sequences (prompt + new tokens) and the cache."""
+    """Generate for a batch through a fresh :class:`EvictionCache` (:func:`complete`). Returns the sequences
+    (prompt + new tokens) and the cache."""
     cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels, decoding=decoding)
-    feed_context(model, cache, batch)
-    return decode(model, cache, batch.input_ids, batch.attention_mask, **kwargs), cache
+    return complete(model, cache, batch, tokenizer, **kwargs), cache
 
 
 def new_tokens(sequences: torch.Tensor, prompt_width: int, ends: set[int]) -> list[list[int]]:
@@ -102,6 +188,35 @@ def new_tokens(sequences: torch.Tensor, prompt_width: int, ends: set[int]) -> li
 
 def end_tokens(tokenizer: Any) -> set[int]:
     return {token for token in (tokenizer.eos_token_id, tokenizer.pad_token_id) if token is not None}
+
+
+class Progress:
+    """A progress bar over a run's units (documents, questions) that also says once, after the first batch, about
+    how long the rest will take (a line in a log, where the bar's own estimate is overwritten)."""
+
+    def __init__(self, total: int, description: str, unit: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=description, unit=unit)
+        self.total, self.description, self.unit = total, description, unit
+        self.began = time.perf_counter()
+        self.told = False
+
+    def update(self, count: int) -> None:
+        self.bar.update(count)
+        done = self.bar.n
+        if not self.told and 0 < done < self.total:
+            elapsed = time.perf_counter() - self.began
+            left = elapsed / done * (self.total - done)
+            self.bar.write(
+                f"{self.description}: ~{max(left / 60, 1):.0f} min left ({done} of {self.total} {self.unit}s in "
+                f"{elapsed:.0f} s)",
+                file=sys.stderr,
+            )
+            self.told = True
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 @dataclass
@@ -175,7 +290,7 @@ def run_batch(
     policy: Policy,
     batch: Batch,
     log: GenerationLog,
-    ends: set[int],
+    tokenizer: Any,
     *,
     protocol: str,
     kernels: str,
@@ -183,5 +298,5 @@ def run_batch(
 ) -> list[dict[str, Any]]:
     """:func:`generate` one batch and log it (:meth:`GenerationLog.add`), timing the generation."""
     began = time.perf_counter()
-    sequences, cache = generate(model, policy, batch, protocol=protocol, kernels=kernels, **kwargs)
-    return log.add(batch, sequences, cache, time.perf_counter() - began, ends)
+    sequences, cache = generate(model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, **kwargs)
+    return log.add(batch, sequences, cache, time.perf_counter() - began, end_tokens(tokenizer))

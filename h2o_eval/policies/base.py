@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from h2o_eval.errors import ConfigError
+from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
 
 PROTOCOLS = ("simulate", "prefill", "context")
 # How a fraction budget b of a length L becomes C: up = ceil(b * L) (the default: C never falls short of the
@@ -171,6 +172,12 @@ def check_number(owner: str, name: str, value: Any, *, integer: bool = False, lo
         raise ConfigError(f"{owner}: {name}={value!r}: use {kind}{bounds}")
 
 
+def check_flag(owner: str, name: str, value: Any) -> None:
+    """Refuse a setting that must be true or false, in one line."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}: {name}={value!r}: use true or false")
+
+
 @dataclass(frozen=True)
 class Policy:
     """Base class: a budget and the rule that fills the unprotected slots.
@@ -223,16 +230,61 @@ class Policy:
         positions [B, Hkv, n] -> [B, Hkv, n] float32; None: scores start at 0."""
         return None
 
+    def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor | None:
+        """The scores [B, Hkv, n] a prompt is compressed by, from what its layer saw of it (``prompt``) and the
+        scores the rule made (``scores``: votes pooled, or key scores); ``protected`` [B, Hkv, n] marks the tokens
+        kept whatever their score. None: those scores as they are."""
+        return None
+
+    def passes(self, script: Script) -> list[list[list[int]]]:
+        """Extra passes fed after the prompt and before its compression, whose keys and values are dropped again:
+        per pass, per sequence its token ids (empty: that sequence has no such pass). Their queries score the
+        prompt's tokens (:meth:`rehearse`), and the prompt is then compressed by those scores."""
+        return []
+
+    def rehearse(self, rehearsal: Rehearsal, scores: torch.Tensor) -> torch.Tensor:
+        """The compression scores [B, Hkv, S] after one extra pass, from what it showed the layer and the scores
+        after the earlier passes (``scores``, 0 before the first)."""
+        raise NotImplementedError(f"policy {self.name!r} declares passes but does not rehearse them")
+
+    @property
+    def needs_answer(self) -> bool:
+        """Whether the passes are built from the full cache's answer (:attr:`Script.answer`): not deployable."""
+        return False
+
+    def allocate(
+        self, scores: list[torch.Tensor], held: list[torch.Tensor], capacities: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """After extra passes: every layer's C [B, Hkv] chosen across layers from all the layers' compression
+        scores [B, Hkv, S] over their ``held`` slots and their planned ``capacities`` (a model-wide selection,
+        KVzip's default); None: each layer keeps its own plan."""
+        return None
+
     def attention(self, query, key, value, valid, scaling) -> torch.Tensor | None:
         """A policy that is no eviction cache at all (the authors' H2O simulation) computes the attention
         itself: output [B, Hq, T, D]. None: the mechanism does."""
         return None
 
     @property
+    def rescores(self) -> bool:
+        """Whether the policy scores a prompt at its compression (:meth:`compression_scores`)."""
+        return type(self).compression_scores is not Policy.compression_scores
+
+    @property
+    def rehearses(self) -> bool:
+        """Whether the policy scores a prompt by extra passes (:meth:`passes`) before compressing it."""
+        return type(self).passes is not Policy.passes
+
+    @property
     def ranks_tokens(self) -> bool:
-        """Whether scores rank the unprotected tokens (attention votes, or key scores): what a policy that hands
-        out slots by score (Ada-KV) needs of its base."""
-        return self.rule.votes != Votes.NONE or type(self).key_scores is not Policy.key_scores
+        """Whether scores rank the unprotected tokens (attention votes, key scores, compression scores or extra
+        passes): what a policy that hands out slots by score (Ada-KV, CriticalKV) needs of its base."""
+        return (
+            self.rule.votes != Votes.NONE
+            or type(self).key_scores is not Policy.key_scores
+            or self.rescores
+            or self.rehearses
+        )
 
     @property
     def has_cache(self) -> bool:

@@ -61,6 +61,19 @@ class Runner:
     def check(self, config: Mapping[str, Any]) -> None:
         """Every task setting and data file, refused with one line naming the fix, before any model loads."""
 
+    def refusal(self, task: Mapping[str, Any], policy: Any) -> str | None:
+        """Why this task cannot run ``policy`` (None: it can). A task that generates can run every policy with a
+        cache, those that score their prompt by extra passes included; one scored in a single forward per request
+        (log-likelihood) cannot run extra passes."""
+        if self.generates(task):
+            return None if policy.has_cache else "is a simulation of scoring only: generate with policy=h2o"
+        if policy.rehearses:
+            return (
+                "scores its prompt by extra passes, which a log-likelihood request's single forward cannot run: use "
+                "it on a generation task"
+            )
+        return None
+
     def data_files(self, task: Mapping[str, Any], data_dir: str | Path | None) -> list[Path]:
         """The local files whose content the results depend on (the record's identity hashes them); none when
         the data comes from the hub. Each must exist."""

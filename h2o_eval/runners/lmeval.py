@@ -206,6 +206,11 @@ class LmEvalRunner(Runner):
     def generates(self, task: Mapping[str, Any]) -> bool:
         return output_type(dict(task)) == "generate_until"
 
+    def refusal(self, task: Mapping[str, Any], policy: Any) -> str | None:
+        if self.generates(task) and policy.needs_answer:
+            return "needs each request's full-cache answer, which lm-eval's generate_until requests do not give it"
+        return super().refusal(task, policy)
+
     def check(self, config: Mapping[str, Any]) -> None:
         task = dict(config["task"])
         primary_metric(task)

@@ -135,10 +135,29 @@ class LongContextRunner(Runner):
         return "prefill"
 
     def check(self, config: Mapping[str, Any]) -> None:
-        ruler.check(config["task"], config["data_dir"])
+        """RULER's settings and data, no shots, and a length the model can hold (its positions, and the window of
+        a model whose every layer slides), read off its config before any weights load."""
+        from h2o_eval.attention import windows_of
+        from h2o_eval.models import load_config
+
+        task = config["task"]
+        ruler.check(task, config["data_dir"])
         if config["num_fewshot"]:
+            raise ConfigError(f"task {task['name']} has no few-shot examples: drop num_fewshot={config['num_fewshot']}")
+        model = load_config(config["model"])
+        if model is None:
+            return
+        name = config["model"]["name"]
+        positions = getattr(model, "max_position_embeddings", None)
+        if positions is not None and task["length"] > positions:
             raise ConfigError(
-                f"task {config['task']['name']} has no few-shot examples: drop num_fewshot={config['num_fewshot']}"
+                f"task.length={task['length']} exceeds {name}'s {positions} positions: use task.length <= {positions}"
+            )
+        window = windows_of(model)[1]
+        if window is not None and task["length"] > window:
+            raise ConfigError(
+                f"task.length={task['length']} exceeds the sliding window ({window}) of every layer of {name}, "
+                f"inside which eviction is not supported: use task.length <= {window}"
             )
 
     def data_files(self, task: Mapping[str, Any], data_dir: str | Path | None) -> list[Path]:
@@ -158,7 +177,6 @@ class LongContextRunner(Runner):
         once through a :class:`~h2o_eval.cache.SharedPrompt` of every cell's cache when there are several, each
         compressing it by its own policy; each cell then answers alone. A cell's ``generated_tokens_per_s``
         counts its share of the shared pass."""
-        from tqdm import tqdm
 
         from h2o_eval import generation
 
@@ -170,7 +188,7 @@ class LongContextRunner(Runner):
         questions = sum(len(p.question_ids) for p in items)
         protocols = sorted({cell["protocol"] for _, cell in cells})
         label = f"answering {task['name']}" + (f" x {len(cells)} cells" if len(cells) > 1 else "")
-        run.progress = tqdm(total=questions * len(protocols), desc=label, unit="question")
+        run.progress = generation.Progress(questions * len(protocols), label, "question")
         for protocol in protocols:
             members = [i for i, (_, cell) in enumerate(cells) if cell["protocol"] == protocol]
             if protocol == "context":
@@ -227,7 +245,7 @@ class _Run:
         from h2o_eval import generation
 
         began = time.perf_counter()
-        sequences = generation.decode(self.model, cache, batch.input_ids, batch.attention_mask, **self.greedy)
+        sequences = generation.complete(self.model, cache, batch, self.tokenizer, **self.greedy)
         seconds += time.perf_counter() - began
         generated = self.logs[i].add(batch, sequences, cache, seconds, self.ends)
         self.outputs[i] += [
@@ -238,7 +256,9 @@ class _Run:
         """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and
         compressed; then each question, a group of rows whose questions have one length at a time, is answered
         from a copy of each cell's compressed cache (the cache itself for the last group when it takes every
-        row)."""
+        row). A policy that scores by extra passes runs them before its compression
+        (:func:`~h2o_eval.generation.settle`); one whose passes need the question and answer (the oracle)
+        compresses each question's copy for that question."""
         import torch
 
         from h2o_eval.cache import SharedPrompt
@@ -261,8 +281,13 @@ class _Run:
                 for k in range(max(len(p.question_ids) for p in items))
                 for n in sorted({len(p.question_ids[k]) for p in items if len(p.question_ids) > k})
             ]
+            ids, mask = contexts.input_ids, contexts.attention_mask
             for i in members:
                 cache, seconds = caches.pop(i), share
+                began = time.perf_counter()
+                if not cache.policy.needs_answer:
+                    generation.settle(self.model, cache, self.tokenizer, ids, mask, [[]] * len(items), **self.greedy)
+                seconds += time.perf_counter() - began
                 for position, (k, rows) in enumerate(groups):
                     last = position == len(groups) - 1 and len(rows) == len(items)
                     questions = torch.tensor([items[r].question_ids[k] for r in rows], device=self.device)
@@ -313,6 +338,10 @@ class _Run:
             for i in members:
                 cache = caches.pop(i)
                 began = time.perf_counter()
+                generation.settle(
+                    self.model, cache, self.tokenizer, batch.input_ids, batch.attention_mask, [[]] * len(chunk),
+                    **self.greedy,
+                )  # fmt: skip
                 sequences = first
                 if self.task["max_new_tokens"] > 1:
                     rest = self.greedy | {"max_new_tokens": self.task["max_new_tokens"] - 1}

@@ -126,7 +126,6 @@ class SummarisationRunner(Runner):
     def evaluate(self, model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]) -> Evaluation:
         """A summary per document (the first ``limit``), ``batch_size`` at a time; ROUGE against the reference."""
         import torch
-        from tqdm import tqdm
 
         from h2o_eval import generation
 
@@ -147,9 +146,8 @@ class SummarisationRunner(Runner):
             contexts, questions = [tokenizer(p).input_ids for p in prompts], [[] for _ in prompts]
         device = next(model.parameters()).device
         log = generation.GenerationLog(max_new_tokens=max_new_tokens)
-        ends = generation.end_tokens(tokenizer)
         outputs: list[dict[str, Any]] = []
-        progress = tqdm(total=len(indices), desc=f"generating {task['name']}", unit="doc")
+        progress = generation.Progress(len(indices), f"generating {task['name']}", "document")
         batch_size = config["batch_size"]
         for start in range(0, len(indices), batch_size):
             rows = slice(start, start + batch_size)
@@ -162,7 +160,7 @@ class SummarisationRunner(Runner):
                 policy,
                 batch,
                 log,
-                ends,
+                tokenizer,
                 protocol=protocol,
                 kernels=config["kernels"],
                 decoding=config["decoding"],
@@ -172,7 +170,6 @@ class SummarisationRunner(Runner):
                 top_p=settings["top_p"] if settings["sample"] else None,
                 top_k=None,
                 stop_strings=[form["stop"]],
-                tokenizer=tokenizer,
                 pad_token_id=tokenizer.pad_token_id,
             )
             for row, index in zip(generated, indices[rows], strict=True):
@@ -187,7 +184,6 @@ class SummarisationRunner(Runner):
                     }
                 )
             progress.update(len(generated))
-            progress.set_postfix(tokens_per_s=f"{log.fields()['generation']['generated_tokens_per_s']:.1f}")
         progress.close()
         scores = rouge([o["prediction"] for o in outputs], [o["reference"] for o in outputs])
         for output, score in zip(outputs, scores, strict=True):

@@ -1,0 +1,160 @@
+"""What a policy's scorer sees: one layer's prompt when it is compressed (:class:`Prompt`), and, for a policy that
+scores by extra passes before the compression (KVzip's repeat pass, the oracle's teacher-forced answer), what the
+passes are built from (:class:`Script`) and what each pass's queries show one layer (:class:`Rehearsal`).
+
+Shapes: B sequences, Hq query heads over Hkv KV heads (G = Hq / Hkv per group), n columns of the compressed chunk
+(left padding included; ``real`` marks the tokens), D head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from h2o_eval.errors import ConfigError
+
+
+def _query_projection(module: torch.nn.Module, hidden_states: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+    """The attention module's query states before rotary embedding [B, Hq, n, D] (kvpress's
+    ``get_prerope_query_states``: ``q_proj``, or Phi-3's fused ``qkv_proj``, then the query norm of Qwen3/Gemma 3)."""
+    batch, length, _ = hidden_states.shape
+    if hasattr(module, "qkv_proj"):
+        query = module.qkv_proj(hidden_states)[..., : heads * dim]
+    elif hasattr(module, "q_proj"):
+        query = module.q_proj(hidden_states)
+    else:
+        raise ConfigError(
+            f"{type(module).__name__} has no q_proj: this policy needs the queries before rotary embedding; use a "
+            "Llama-style model (Llama, Mistral, Qwen, Phi-3, Gemma 3, OPT)"
+        )
+    query = query.view(batch, length, heads, dim).transpose(1, 2)
+    return module.q_norm(query) if hasattr(module, "q_norm") else query
+
+
+def output_projection(module: torch.nn.Module, heads: int, dim: int) -> torch.Tensor:
+    """The attention module's output projection per query head, W_O as [Hq, D, hidden]."""
+    linear = getattr(module, "o_proj", None) or getattr(module, "out_proj", None)
+    if not isinstance(linear, torch.nn.Linear):
+        raise ConfigError(
+            f"{type(module).__name__} has no o_proj: this policy reads the output projection; use a Llama-style model"
+        )
+    return linear.weight.t().reshape(heads, dim, -1)
+
+
+@dataclass
+class Prompt:
+    """One layer's prompt as a policy's scorer sees it when the prompt is compressed.
+
+    Attributes:
+        module: the layer's attention module (its projections: :meth:`prerope_query`, :meth:`output_projection`).
+        layer: the layer's index.
+        query: [B, Hq, n, D] the prompt's queries after rotary embedding, as the attention used them.
+        key, value: [B, Hkv, n, D] the keys (after rotary embedding) and values, as the cache holds them.
+        position: [B, n] each column's token index in its sequence.
+        real: [B, n] bool, the prompt's real tokens (False: padding).
+        capacity: [B, Hkv] C of this layer.
+        hidden_states: [B, n, hidden] the attention module's input, or None where the forward did not pass it.
+        rotary: ``rotary(positions)`` for positions [m] gives (cos, sin) [m, D] of this layer's rotary embedding;
+            None for a model without one.
+        scaling: the attention's logit scale.
+    """
+
+    module: torch.nn.Module
+    layer: int
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    position: torch.Tensor
+    real: torch.Tensor
+    capacity: torch.Tensor
+    hidden_states: torch.Tensor | None
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
+    scaling: float
+
+    @property
+    def group(self) -> int:
+        return self.query.shape[1] // self.key.shape[1]
+
+    def prerope_query(self) -> torch.Tensor:
+        """[B, Hq, n, D] the queries before rotary embedding, recomputed from the attention's input; for a model
+        without rotary embedding, the queries as they are."""
+        if self.rotary is None:
+            return self.query
+        if self.hidden_states is None:
+            raise ConfigError("this policy needs the attention's input, which this model's forward does not pass")
+        heads, dim = self.query.shape[1], self.query.shape[-1]
+        return _query_projection(self.module, self.hidden_states, heads, dim).to(self.query.dtype)
+
+    def output_projection(self) -> torch.Tensor:
+        """W_O per query head [Hq, D, hidden]."""
+        return output_projection(self.module, self.query.shape[1], self.query.shape[-1])
+
+
+@dataclass
+class Script:
+    """What a policy's extra passes are built from, per sequence (no padding): ``context``, the tokens being
+    compressed; ``question``, the tokens that follow them (under ``protocol=context``; empty under ``prefill``,
+    where the question is part of the compressed prompt); ``answer``, the full cache's greedy answer (only for a
+    policy that asks for it); and the tokenizer (a pass may be worded in the model's chat template)."""
+
+    context: list[list[int]]
+    question: list[list[int]]
+    answer: list[list[int]] | None
+    tokenizer: Any
+
+
+@dataclass
+class Rehearsal:
+    """What one extra pass shows a layer: its tokens' queries against the compressed chunk's slots and the pass's
+    own tokens, before the pass is dropped again.
+
+    Attributes:
+        index: which pass (of the policy's :meth:`~h2o_eval.policies.Policy.passes`).
+        script: what the passes were built from.
+        module, layer, scaling: as in :class:`Prompt`.
+        query: [B, Hq, m, D] the pass's queries after rotary embedding.
+        key, value: [B, Hkv, S + m, D] the S slots the cache holds, then the pass's own m tokens.
+        held: [B, Hkv, S] bool, the held slots (the compressed chunk's real tokens).
+        position: [B, Hkv, S] each slot's token index.
+        real: [B, m] bool, the pass's real tokens (a shorter pass is padded at its end).
+        hidden_states: [B, m, hidden] the attention module's input for the pass, or None.
+    """
+
+    index: int
+    script: Script
+    module: torch.nn.Module
+    layer: int
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    held: torch.Tensor
+    position: torch.Tensor
+    real: torch.Tensor
+    scaling: float
+    hidden_states: torch.Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.held.shape[-1]
+
+    def probabilities(self, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, Hkv, G, m, S + m] the pass's attention probabilities (float32): each real row over the held slots
+        and the pass's real tokens up to itself, restricted to ``columns`` [B, Hkv, S + m] when given (the softmax
+        then runs over those alone); zero on pad rows."""
+        batch, kv_heads, total = self.key.shape[0], self.key.shape[1], self.key.shape[2]
+        m, slots = self.query.shape[2], self.slots
+        group = self.query.shape[1] // kv_heads
+        query = self.query.view(batch, kv_heads, group, m, -1).float()
+        logits = torch.matmul(query, self.key.float().unsqueeze(2).transpose(-1, -2)) * self.scaling
+        rows = torch.arange(m, device=logits.device)
+        visible = torch.zeros(batch, kv_heads, m, total, dtype=torch.bool, device=logits.device)
+        visible[..., :slots] = self.held.unsqueeze(-2)
+        visible[..., slots:] = (rows.view(-1, 1) >= rows.view(1, -1)) & self.real.view(batch, 1, 1, m)
+        if columns is not None:
+            visible &= columns.unsqueeze(-2)
+        visible[..., rows, slots + rows] = True  # every row sees itself, so no softmax is empty
+        probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), float("-inf")), dim=-1)
+        return probs * self.real.view(batch, 1, 1, m, 1)
