@@ -77,14 +77,16 @@ def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def registered(protocol: str, *, cache: bool = True, evicting: bool = False) -> list[str]:
+def registered(protocol: str, *, cache: bool = True, evicting: bool = False, passes: bool = True) -> list[str]:
     """Every registered policy that exists in ``protocol``, as its class declares; with ``cache``, only those that
-    run as a cache; with ``evicting``, only those whose example evicts from a 64-token sequence at a budget of 0.2.
-    The generic suites iterate over these, so a new policy (its file and registry entry) takes part in every one."""
+    run as a cache; with ``evicting``, only those whose example evicts from a 64-token sequence at a budget of 0.2;
+    without ``passes``, only those that need no extra passes before compressing (so run in one forward, as
+    ``patch`` runs them). The generic suites iterate over these, so a new policy (its file and registry entry)
+    takes part in every one."""
     names = []
     for name, cls in POLICIES.items():
         policy = example_policy(name, 0.2)
-        if protocol not in cls.protocols or (cache and not policy.has_cache):
+        if protocol not in cls.protocols or (cache and not policy.has_cache) or (not passes and policy.rehearses):
             continue
         if evicting and policy.capacity(64) >= 64:
             continue

@@ -49,6 +49,27 @@ def test_fast_cpu_path_equals_the_row_loop(batch, heads, n, state, rule, prefill
         assert (held <= torch.maximum(chunk.capacity, torch.tensor(state))).all()
 
 
+@pytest.mark.parametrize("rule", ["static", "snapkv", "adakv", "h2o"])
+@pytest.mark.parametrize(("prefill", "padding"), [(99, "right"), (99, "left")])
+def test_a_policys_own_compression_scores_rank_the_prompt_on_every_path(rule, prefill, padding):
+    """Reference: the row loop, implementation: the fast path, both with ``rescore`` (a policy's own scores from
+    the pooled ones and the protected tokens, here a fixed pattern over the slots plus the pooled scores): the
+    prompt is compressed by the rescored values on both, and the rescored values are the state's scores."""
+    import dataclasses
+
+    query, key, value, chunk = make_chunk(3, 6, 2, 33, 0, RULES[rule], prefill, padding)
+
+    def rescore(scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        pattern = torch.sin(torch.arange(scores.shape[-1], dtype=torch.float32) * 1.7)
+        return scores + pattern.expand_as(scores) + protected.float()
+
+    chunk = dataclasses.replace(chunk, rescore=rescore)
+    expected = attend_chunk_reference(query, key, value, chunk)
+    assert_same_result(attend_chunk(query, key, value, chunk), expected, chunk)
+    plain = attend_chunk_reference(query, key, value, dataclasses.replace(chunk, rescore=None))
+    assert not torch.equal(plain.held, expected.held), "the rescoring changed no kept token: the test proves nothing"
+
+
 def test_decode_rows_are_processed_in_blocks(monkeypatch):
     """Reference: the fast path with one block of rows; implementation: blocks of 8 rows (and of 5, which ends
     mid-chunk), so the scan's state (held slots, scores, entry and exit rows) crosses block boundaries."""

@@ -11,7 +11,7 @@ import torch
 from conftest import make_config, registered
 
 from h2o_eval import EvictionCache, load_model, make_policy
-from h2o_eval.generation import Batch, feed_context, generate, make_batch
+from h2o_eval.generation import Batch, complete, feed_context, generate, make_batch, settle
 from h2o_eval.policies import POLICIES, example_policy
 from h2o_eval.run import run
 from h2o_eval.runners.summarisation import build_prompts, rouge, template
@@ -91,16 +91,14 @@ def test_a_budget_covering_prompt_and_output_changes_nothing(tiny, name, protoco
     PyramidKV's lowest layer's share) plus every generated token."""
     model, tokenizer = tiny
     batch = prompts_batch(tokenizer)
-    plain = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    greedy = {"max_new_tokens": 16, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    plain = model.generate(**batch, **greedy)
+    prompts = Batch(batch.input_ids, batch.attention_mask)
     cache = EvictionCache(model, example_policy(name, batch.input_ids.shape[1] + 16), protocol=protocol)
-    evicting = model.generate(
-        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, cache=cache
-    )
+    evicting = complete(model, cache, prompts, tokenizer, **greedy)
     assert torch.equal(evicting, plain)
     small = EvictionCache(model, example_policy(name, 4), protocol=protocol)
-    squeezed = model.generate(
-        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id, cache=small
-    )
+    squeezed = complete(model, small, prompts, tokenizer, **greedy)
     assert not torch.equal(squeezed, plain), "a 4-token cache changed nothing: the test proves nothing"
     policy = example_policy(name, 4)
     most = max(policy.plan(int(n), layer, 2).capacity for n in batch.attention_mask.sum(-1) for layer in range(2))
@@ -224,13 +222,17 @@ def test_context_protocol_equals_compressing_the_context_then_feeding_the_questi
     batch = encode(tokenizer, parts, "context")
     ids, mask = batch.input_ids, batch.attention_mask
     batched, _ = generate(
-        model, policy, batch, protocol="context", kernels="auto", max_new_tokens=6, do_sample=False, pad_token_id=0
-    )
+        model, policy, batch, tokenizer, protocol="context", kernels="auto", max_new_tokens=6, do_sample=False,
+        pad_token_id=0,
+    )  # fmt: skip
     for row, (context, text) in enumerate(parts):
         alone = EvictionCache(model, policy, protocol="context")
         context_ids = torch.tensor([tokenizer(context).input_ids])
+        question_ids = tokenizer(text, add_special_tokens=False).input_ids
         logits = model(context_ids, cache=alone, use_cache=True).logits
-        for token in tokenizer(text, add_special_tokens=False).input_ids:
+        settle(model, alone, tokenizer, context_ids, torch.ones_like(context_ids), [question_ids], max_new_tokens=6,
+               do_sample=False, pad_token_id=0)  # fmt: skip
+        for token in question_ids:
             logits = model(torch.tensor([[token]]), cache=alone, use_cache=True).logits
         generated = []
         for _ in range(6):
@@ -253,6 +255,7 @@ def test_context_protocol_with_an_empty_question_is_prefill(tiny):
             model,
             make_policy("h2o", budget=0.3),
             batch,
+            tokenizer,
             protocol=protocol,
             kernels="auto",
             max_new_tokens=6,

@@ -31,6 +31,12 @@ SETTINGS = [
     ("h2o", "context", 128),
     ("snapkv", "prefill", 64),
     ("snapkv", "context", 128),
+    # The scorers that need more than votes: the context compressed (KVzip: after its repeat passes), the question
+    # fed after it, through an EvictionCache as the generation runners use it.
+    ("expected_attention", "context", 128),
+    ("keydiff", "context", 128),
+    ("criticalkv", "context", 128),
+    ("kvzip", "context", 128),
 ]
 
 
@@ -71,7 +77,7 @@ def one(data_dir: Path, length: int, policy_name: str, protocol: str, tail: int,
     policy = None if policy_name == "none" else make_policy(policy_name, budget=budget)
     for warm in (tokens[:, : 2 * tail + 64], tokens):  # first a short forward: lazy imports, JIT code, thread pools
         reset_peak()
-        before, seconds, cpu = forward(model, policy, protocol, warm, tail)
+        before, seconds, cpu = forward(model, tokenizer, policy, protocol, warm, tail)
     return {
         "seconds": seconds,
         "cpu_seconds": cpu,
@@ -80,18 +86,27 @@ def one(data_dir: Path, length: int, policy_name: str, protocol: str, tail: int,
     }
 
 
-def forward(model, policy, protocol: str, tokens, tail: int) -> tuple[float, float, float]:
+def forward(model, tokenizer, policy, protocol: str, tokens, tail: int) -> tuple[float, float, float]:
     """(RSS before, wall seconds, CPU seconds) of one forward of ``tokens`` under ``policy``, the last ``tail``
-    after the context."""
+    after the context: one forward under ``patch``, or, for the scorers that score the context at its compression
+    or by extra passes, the context through an EvictionCache (compressed, after its passes), then the tail."""
     import torch
 
+    from h2o_eval import generation
     from h2o_eval.backend import patch
+    from h2o_eval.cache import EvictionCache
 
     before = status_mib("VmRSS")
     start, cpu = time.perf_counter(), time.process_time()
     with torch.no_grad():
         if policy is None:
             model(tokens)
+        elif policy.rescores or policy.rehearses:
+            cache = EvictionCache(model, policy, protocol=protocol)
+            context, mask = tokens[:, :-tail], torch.ones_like(tokens[:, :-tail])
+            generation.feed(model, cache, context, mask)
+            generation.settle(model, cache, tokenizer, context, mask, [[]])
+            model(tokens[:, -tail:], cache=cache, use_cache=True)
         else:
             with patch(model, policy, protocol=protocol) as session:
                 session.context_lengths = [tokens.shape[1] - tail]

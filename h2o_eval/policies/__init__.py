@@ -26,20 +26,44 @@ from h2o_eval.policies.base import (
     check_kernels,
     check_protocol,
 )
+from h2o_eval.policies.criticalkv import CriticalKV
+from h2o_eval.policies.expected_attention import ExpectedAttention
 from h2o_eval.policies.full import Full
 from h2o_eval.policies.h2o import H2O, Heavy
 from h2o_eval.policies.h2o_reference import H2OReference
+from h2o_eval.policies.keydiff import KeyDiff
 from h2o_eval.policies.knorm import KNorm
+from h2o_eval.policies.kvzip import KVzip
 from h2o_eval.policies.local import Local
+from h2o_eval.policies.oracle import Oracle
 from h2o_eval.policies.pyramidkv import PyramidKV
 from h2o_eval.policies.random import Random
 from h2o_eval.policies.snapkv import SnapKV
 from h2o_eval.policies.streaming import Streaming
 from h2o_eval.policies.tova import TOVA
+from h2o_eval.policies.wrapper import Wrapper
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (Full, H2O, Local, Heavy, Streaming, TOVA, Random, H2OReference, SnapKV, PyramidKV, AdaKV, KNorm)
+    for cls in (
+        Full,
+        H2O,
+        Local,
+        Heavy,
+        Streaming,
+        TOVA,
+        Random,
+        H2OReference,
+        SnapKV,
+        PyramidKV,
+        AdaKV,
+        KNorm,
+        ExpectedAttention,
+        KeyDiff,
+        CriticalKV,
+        KVzip,
+        Oracle,
+    )  # fmt: skip
 }
 
 __all__ = [
@@ -62,26 +86,28 @@ __all__ = [
 
 
 def _parameters(cls: type[Policy]) -> set[str]:
-    return {f.name for f in fields(cls)} - {"budget", "rounding"}
+    return {f.name for f in fields(cls)} - {"budget", "rounding", "base"}
 
 
 def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
-    """The policy ``name`` with ``budget`` and its own parameters (``heavy_ratio``, ``sinks``, ``window`` ...).
+    """The policy ``name`` with ``budget`` and its own parameters (``heavy_ratio``, ``sinks``, ``window`` ...);
+    ``rounding`` (how a fraction budget becomes C) applies to every policy.
 
-    ``adakv`` takes ``base`` (a policy name, ``snapkv`` by default) and ``alpha``; its other parameters go to
-    the base policy.
+    A wrapper (``adakv``, ``criticalkv``) takes ``base`` (a policy name; each wrapper has a default) and its own
+    parameters (``alpha``; ``epsilon``, ``first_stage_ratio``); its other parameters go to the base policy.
     """
     if name not in POLICIES:
         raise ConfigError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")
     cls = POLICIES[name]
-    if cls is AdaKV:
-        own = {key: params.pop(key) for key in ("alpha",) if key in params}
-        own |= {key: params[key] for key in ("rounding",) if key in params}
-        base = params.pop("base", "snapkv")
-        if base not in POLICIES or base == name:
-            valid = [n for n in POLICIES if n != name and AdaKV.refusal(example_policy(n)) is None]
-            raise ConfigError(f"adakv: base={base!r}: use one of {', '.join(valid)}")
-        return AdaKV(budget=budget, base=make_policy(base, budget, **params), **own)
+    if issubclass(cls, Wrapper):
+        own = {key: params.pop(key) for key in _parameters(cls) if key in params}
+        base = params.pop("base", None)
+        if base is None:
+            base, params = cls.default_base_name, cls.default_base_params | params
+        if base not in POLICIES or issubclass(POLICIES[base], cls):
+            valid = [n for n in POLICIES if not issubclass(POLICIES[n], cls) and cls.refusal(example_policy(n)) is None]
+            raise ConfigError(f"{name}: base={base!r}: use one of {', '.join(valid)}")
+        return cls(budget=budget, base=make_policy(base, budget, **params), **own)
     own = _parameters(cls)
     if unknown := set(params) - own - {"rounding"}:
         raise ConfigError(

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from h2o_eval.policies.base import Plan, Policy, Rule, check_flag, check_number
+from h2o_eval.policies.inputs import Prompt
+
+
+def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[D, D] the mean over positions of the rotary matrices diag(cos_t) + P diag(sin_t), P the rotate-half
+    permutation (kvpress's ``apply_avg_rope``); ``cos``, ``sin`` [m, D]."""
+    dim = cos.shape[-1]
+    half = dim // 2
+    swap = torch.zeros(dim, dim, dtype=cos.dtype, device=cos.device)
+    swap[half:, :half], swap[:half, half:] = torch.eye(half), -torch.eye(half)
+    eye = torch.eye(dim, dtype=cos.dtype, device=cos.device)
+    return (cos.unsqueeze(1) * eye + sin.unsqueeze(1) * swap).mean(dim=0)
+
+
+@dataclass(frozen=True)
+class ExpectedAttention(Policy):
+    """Expected Attention (Devoto et al. 2025, arXiv:2510.00636; kvpress's ``ExpectedAttentionPress``): keep the
+    keys future queries are expected to attend to most.
+
+    The prompt's queries before rotary embedding (all but the first ``n_sink`` tokens) are summarised by their
+    mean and covariance per query head, both rotated by the mean rotary matrix of the ``n_future_positions``
+    positions after the prompt; a key k's expected logit is k·mu / sqrt(D) + k^T Sigma k / (2 D), softmaxed over
+    the keys (sinks excluded), averaged over the KV head's query heads, then ``(score + epsilon) * ||v||``
+    (``use_vnorm``). The first ``n_sink`` tokens are always kept; nothing else is protected. Prefill and context
+    protocols only (it compresses a prompt once, then keeps every later token).
+
+    As kvpress, where it differs from the paper's reference code; beyond kvpress: batches may be left-padded (the
+    statistics and the softmax run over each sequence's real tokens, its future positions start after them), and
+    a model without rotary embedding (OPT) uses the statistics as they are.
+
+    Args:
+        n_future_positions: future positions whose rotary matrices are averaged.
+        n_sink: first tokens always kept and left out of the statistics.
+        use_covariance: add the covariance term (else the mean alone).
+        use_vnorm: rescale by the value's L2 norm.
+        epsilon: added to the scores before the value-norm rescaling.
+    """
+
+    n_future_positions: int = 512
+    n_sink: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+    name: ClassVar[str] = "expected_attention"
+    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
+    example: ClassVar[dict[str, Any]] = {"n_sink": 2, "n_future_positions": 16}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_number(self.name, "n_future_positions", self.n_future_positions, integer=True, low=1)
+        check_number(self.name, "n_sink", self.n_sink, integer=True, low=0)
+        check_number(self.name, "epsilon", self.epsilon, low=0)
+        for flag in ("use_covariance", "use_vnorm"):
+            check_flag(self.name, flag, getattr(self, flag))
+
+    @property
+    def rule(self) -> Rule:
+        return Rule(grows=True)
+
+    def plan(self, length: int, layer: int = 0, num_layers: int = 1) -> Plan:
+        capacity = self.capacity(length)
+        return Plan(capacity=capacity, recent=0, sinks=min(self.n_sink, capacity))
+
+    def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        queries = prompt.prerope_query().float()
+        keys, values = prompt.key.float(), prompt.value.float()
+        batch, kv_heads, n, dim = keys.shape
+        group = prompt.group
+        found = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=keys.device)
+        for row in range(batch):
+            real = prompt.real[row].nonzero().flatten()
+            counted = real[self.n_sink :]
+            if counted.numel() == 0:
+                continue
+            query = queries[row][:, counted]  # [Hq, N, D]
+            mean = query.mean(dim=1)
+            centered = query - mean.unsqueeze(1)
+            covariance = torch.einsum("hni,hnj->hij", centered, centered) / counted.numel()
+            if prompt.rotary is not None:
+                start = real.numel()
+                positions = torch.arange(start, start + self.n_future_positions, device=keys.device)
+                cos, sin = prompt.rotary(positions)
+                rotation = average_rotation(cos.float(), sin.float())
+                mean = mean @ rotation.T
+                covariance = rotation @ covariance @ rotation.T
+            key = keys[row][:, counted].repeat_interleave(group, dim=0)  # [Hq, N, D]
+            logits = torch.einsum("hnd,hd->hn", key, mean) / math.sqrt(dim)
+            if self.use_covariance:
+                logits = logits + torch.einsum("hni,hij,hnj->hn", key, covariance, key) / dim / 2
+            expected = torch.softmax(logits, dim=-1).view(kv_heads, group, -1).mean(dim=1)
+            if self.use_vnorm:
+                expected = (expected + self.epsilon) * values[row][:, counted].norm(dim=-1)
+            found[row][:, counted] = expected
+        return found

@@ -1,0 +1,389 @@
+"""The scorers that need more than attention votes (Expected Attention, KeyDiff, CriticalKV, KVzip, the oracle):
+each by hand on tiny tensors, and each on a tiny Llama against an independent implementation of its definition
+written here from the paper (not by calling the policy). kvpress itself is compared on SmolLM2 outside the suite
+(see the README's policy table)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from h2o_eval import EvictionCache, load_model, make_policy
+from h2o_eval.errors import ConfigError
+from h2o_eval.generation import feed, settle
+from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
+from h2o_eval.policies.kvzip import template_parts
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama", device="cpu")
+
+
+def hand_prompt(keys, values=None, queries=None, capacity=2, real=None) -> Prompt:
+    """A one-sequence, one-KV-head prompt of the given 2-d keys (no rotary embedding)."""
+    key = torch.tensor(keys, dtype=torch.float32).view(1, 1, -1, 2)
+    n = key.shape[2]
+    value = key if values is None else torch.tensor(values, dtype=torch.float32).view(1, 1, n, -1)
+    query = key if queries is None else torch.tensor(queries, dtype=torch.float32).view(1, -1, n, 2)
+    return Prompt(
+        module=torch.nn.Module(),
+        layer=0,
+        query=query,
+        key=key,
+        value=value,
+        position=torch.arange(n).view(1, n),
+        real=torch.ones(1, n, dtype=torch.bool) if real is None else torch.tensor([real]),
+        capacity=torch.tensor([[capacity]]),
+        hidden_states=None,
+        rotary=None,
+        scaling=2**-0.5,
+    )
+
+
+def test_keydiff_by_hand():
+    """Unit keys (1, 0), (0, 1), (1, 0), (-1, 0): their mean is (0.25, 0.25); cosine similarities 1/sqrt2, 1/sqrt2,
+    1/sqrt2, -1/sqrt2, so the opposite key scores highest and the rest tie."""
+    prompt = hand_prompt([[1, 0], [0, 2], [3, 0], [-1, 0]])
+    scores = make_policy("keydiff", 2).compression_scores(
+        prompt, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4, dtype=bool)
+    )
+    half = 1 / math.sqrt(2)
+    torch.testing.assert_close(scores, torch.tensor([[[-half, -half, -half, half]]]))
+
+
+def test_expected_attention_by_hand():
+    """No rotary embedding, no sinks, no covariance: the expected logit of a key is its dot product with the mean
+    query / sqrt(2). Queries (1, 0) and (3, 0) average to (2, 0); keys (1, 0), (0, 1), (-1, 0) get logits 2, 0, -2
+    over sqrt(2), a softmax over them (0.78, 0.19, 0.05), each times its value's norm (1, 5, 1)."""
+    prompt = hand_prompt([[1, 0], [0, 1], [-1, 0]], values=[[1, 0], [0, 5], [1, 0]], queries=[[1, 0], [3, 0], [2, 0]])
+    policy = make_policy("expected_attention", 2, n_sink=0, use_covariance=False)
+    scores = policy.compression_scores(prompt, torch.zeros(1, 1, 3), torch.zeros(1, 1, 3, dtype=bool))
+    logits = torch.tensor([2.0, 0.0, -2.0]) / math.sqrt(2)
+    expected = torch.softmax(logits, 0) * torch.tensor([1.0, 5.0, 1.0])
+    torch.testing.assert_close(scores, expected.view(1, 1, 3))
+    assert scores.argsort(descending=True).flatten().tolist() == [1, 0, 2]  # the large value outweighs the logit
+
+
+def test_expected_attention_leaves_the_sinks_and_padding_out_of_its_statistics():
+    """With n_sink = 1 the first real token (after a padding column) neither counts in the mean query nor gets a
+    score; the softmax runs over the other real tokens."""
+    prompt = hand_prompt([[0, 0], [5, 0], [1, 0], [-1, 0]], queries=[[0, 0], [9, 9], [1, 0], [3, 0]],
+                         real=[False, True, True, True])  # fmt: skip
+    scores = make_policy("expected_attention", 2, n_sink=1, use_covariance=False, use_vnorm=False).compression_scores(
+        prompt, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4, dtype=bool)
+    )
+    logits = torch.tensor([2.0, -2.0]) / math.sqrt(2)  # mean query (2, 0) over tokens 2, 3
+    torch.testing.assert_close(scores[0, 0], torch.cat([torch.zeros(2), torch.softmax(logits, 0)]))
+
+
+def test_criticalkv_two_stages_by_hand():
+    """Base scores 4, 3, 2, 1 and projected value norms 1, 1, 10, 1 at C = 2, first stage 0.5: stage 1 keeps the
+    best base score (token 0); stage 2 ranks the rest by (score + eps) * norm, so token 2 (20) beats token 1 (3)."""
+
+    class Projection(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.o_proj = torch.nn.Linear(2, 1, bias=False)
+            self.o_proj.weight.data = torch.tensor([[1.0, 0.0]])
+
+    prompt = hand_prompt([[1, 0], [1, 0], [1, 0], [1, 0]], values=[[1, 0], [1, 0], [10, 0], [1, 0]])
+    prompt.module = Projection()
+    policy = make_policy("criticalkv", 0.5, base="keydiff", epsilon=0.0)
+    base = torch.tensor([[[4.0, 3.0, 2.0, 1.0]]])
+    found = policy.base.compression_scores
+    policy.base.__class__.compression_scores = lambda self, prompt, scores, protected: base
+    try:
+        scores = policy.compression_scores(prompt, torch.zeros(1, 1, 4), torch.zeros(1, 1, 4, dtype=bool))
+    finally:
+        policy.base.__class__.compression_scores = found
+    assert scores[0, 0, 0] == torch.finfo(torch.float32).max
+    assert scores[0, 0, 1:].tolist() == [3.0, 20.0, 1.0]
+
+
+def hand_rehearsal(logits_rows, held, position, index=0, real=None, script=None) -> Rehearsal:
+    """One sequence, one KV head, head dim 1: a query of 1 against keys whose values are the given logits."""
+    rows = torch.tensor(logits_rows, dtype=torch.float32)  # [m, S + m] logits
+    m, total = rows.shape
+    return Rehearsal(
+        index=index,
+        script=script,
+        module=torch.nn.Module(),
+        layer=0,
+        query=torch.ones(1, 1, m, 1),
+        key=rows[:1].view(1, 1, total, 1),
+        value=torch.zeros(1, 1, total, 1),
+        held=torch.tensor([[held]]),
+        position=torch.tensor([[position]]),
+        real=torch.ones(1, m, dtype=torch.bool) if real is None else torch.tensor([real]),
+        scaling=1.0,
+    )
+
+
+def test_oracle_sums_the_pass_attention_over_its_queries():
+    """Two held slots with logits 0 and log 3, one pass token attending to them and to itself (logit 0): its
+    probabilities 1/5, 3/5 (and 1/5 to itself) are the slots' scores; a second, padded query adds nothing."""
+    rehearsal = hand_rehearsal([[0.0, math.log(3), 0.0, 0.0]], [True, True], [0, 1], real=[True, False])
+    rehearsal.query = torch.ones(1, 1, 2, 1)
+    rehearsal.key = torch.tensor([0.0, math.log(3), 0.0, 5.0]).view(1, 1, 4, 1)
+    scores = make_policy("oracle", 1).rehearse(rehearsal, torch.zeros(1, 1, 2))
+    torch.testing.assert_close(scores, torch.tensor([[[0.2, 0.6]]]))
+
+
+def test_kvzip_allocates_the_lowest_scores_model_wide_or_per_layer():
+    """Two layers, one KV head, 4 tokens each, budget 0.5, 1 sink: model-wide, int(8 * 0.5) = 4 of the 8 pairs go
+    (the lowest scores: layer 0's 0.1 and 0.2, layer 1's 0.15 and 0.3), so each layer keeps 2; per layer, each
+    keeps int(4 * 0.5) = 2 too, but a skewed table keeps 3 and 1 model-wide (0.1, 0.2, 0.3 and 0.7 go)."""
+    held = [torch.ones(1, 1, 4, dtype=torch.bool)] * 2
+    planned = [torch.tensor([[2]])] * 2
+    even = [torch.tensor([[[0.0, 0.9, 0.1, 0.2]]]), torch.tensor([[[0.0, 0.15, 0.8, 0.3]]])]
+    skewed = [torch.tensor([[[0.0, 0.9, 0.8, 0.7]]]), torch.tensor([[[0.0, 0.1, 0.2, 0.3]]])]
+    model_wide = make_policy("kvzip", 0.5, n_sink=1)
+    per_layer = make_policy("kvzip", 0.5, n_sink=1, layerwise=True)
+    assert [int(c.sum()) for c in model_wide.allocate(even, held, planned)] == [2, 2]
+    assert [int(c.sum()) for c in model_wide.allocate(skewed, held, planned)] == [3, 1]
+    assert [int(c.sum()) for c in per_layer.allocate(skewed, held, planned)] == [2, 2]
+
+
+def test_kvzip_repeats_each_chunk_after_the_template_prefix(tiny):
+    """The passes: "Repeat the previous context exactly." + the template's end of turn + the first chunk; later
+    chunks open with the "part ... starting with" request and the previous chunk's last 8 tokens."""
+    _, tokenizer = tiny
+    prefix, suffix = template_parts(tokenizer)
+    context = list(range(1000, 1000 + prefix + 20))
+    passes = make_policy("kvzip", 0.5, chunk_size=12).passes(Script([context], [[]], None, tokenizer))
+    first = tokenizer.encode("\n\nRepeat the previous context exactly.", add_special_tokens=False)
+    later = tokenizer.encode(
+        "\n\nRepeat the part of the previous context exactly, starting with", add_special_tokens=False
+    )
+    body = context[prefix:]
+    assert passes == [[first + list(suffix) + body[:12]], [later + body[4:12] + list(suffix) + body[12:]]]
+
+
+# Independent implementations on the tiny Llama, from each method's definition.
+
+
+def attention_inputs(model, ids):
+    """Per layer the attention module's input and the cache's keys and values after a plain forward."""
+    captured = {}
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs, i=i: captured.__setitem__(i, kwargs["hidden_states"]), with_kwargs=True
+        )
+        for i, layer in enumerate(model.model.layers)
+    ]
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    for hook in hooks:
+        hook.remove()
+    return [(captured[i], cache.layers[i].keys, cache.layers[i].values) for i in range(len(model.model.layers))]
+
+
+def rotation(theta: float, dim: int, positions: torch.Tensor) -> torch.Tensor:
+    """[D, D] the mean rotary matrix over ``positions``: each pair (i, i + D/2) rotated by position * theta^(-2i/D)
+    (the rotate-half convention)."""
+    half = dim // 2
+    frequencies = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / dim)
+    total = torch.zeros(dim, dim, dtype=torch.float64)
+    for position in positions.tolist():
+        angle = position * frequencies
+        matrix = torch.zeros(dim, dim, dtype=torch.float64)
+        idx = torch.arange(half)
+        matrix[idx, idx] = matrix[idx + half, idx + half] = torch.cos(angle)
+        matrix[idx, idx + half] = -torch.sin(angle)
+        matrix[idx + half, idx] = torch.sin(angle)
+        total += matrix
+    return (total / len(positions)).float()
+
+
+def kept_by_layer(cache) -> list[list[set[int]]]:
+    return [
+        [set(layer.position[0, h][layer.held[0, h]].tolist()) for h in range(layer.held.shape[1])]
+        for layer in cache.layers
+    ]
+
+
+def compress_context(model, tokenizer, policy, ids):
+    cache = EvictionCache(model, policy, protocol="context")
+    mask = torch.ones_like(ids)
+    feed(model, cache, ids, mask)
+    settle(model, cache, tokenizer, ids, mask, [[]], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return cache
+
+
+def top(scores: torch.Tensor, count: int, always: set[int]) -> set[int]:
+    """``always`` plus the ``count`` - len(always) best other positions (ties: the newest)."""
+    order = sorted((j for j in range(scores.shape[-1]) if j not in always), key=lambda j: (-float(scores[j]), -j))
+    return always | set(order[: count - len(always)])
+
+
+@torch.no_grad()
+def test_expected_attention_keeps_what_its_definition_keeps(tiny):
+    """Reference: the paper's expected attention from the model's own pre-rotary queries (``q_proj`` of each
+    attention module's input), their mean and covariance over the tokens after the sinks, the rotary matrix
+    averaged over the next 32 positions built from the RoPE frequencies, and a softmax of the expected logits
+    over the keys after the sinks, averaged over the KV head's query heads and times the value norms."""
+    model, tokenizer = tiny
+    ids = torch.randint(100, 4000, (1, 40), generator=torch.Generator().manual_seed(3))
+    policy = make_policy("expected_attention", 0.25, n_future_positions=32, n_sink=2)
+    cache = compress_context(model, tokenizer, policy, ids)
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = config.hidden_size // heads
+    for layer, (hidden, keys, values) in enumerate(attention_inputs(model, ids)):
+        module = model.model.layers[layer].self_attn
+        query = module.q_proj(hidden[0]).view(40, heads, dim).transpose(0, 1)[:, 2:].double()  # [H, 38, D]
+        mean = query.mean(1)
+        centered = query - mean.unsqueeze(1)
+        covariance = centered.transpose(1, 2) @ centered / 38
+        rotate = rotation(config.rope_parameters["rope_theta"], dim, torch.arange(40, 72)).double()
+        mean, covariance = mean @ rotate.T, rotate @ covariance @ rotate.T
+        for h in range(kv_heads):
+            expected = torch.zeros(38, dtype=torch.float64)
+            for g in range(heads // kv_heads):
+                q = h * (heads // kv_heads) + g
+                key = keys[0, h, 2:].double()
+                logit = key @ mean[q] / math.sqrt(dim) + ((key @ covariance[q]) * key).sum(-1) / dim / 2
+                expected += torch.softmax(logit, 0) / (heads // kv_heads)
+            expected *= values[0, h, 2:].double().norm(dim=-1)
+            full = torch.cat([torch.full((2,), float("inf"), dtype=torch.float64), expected])
+            assert kept_by_layer(cache)[layer][h] == top(full, 10, {0, 1}), (layer, h)
+
+
+@torch.no_grad()
+def test_keydiff_keeps_what_its_definition_keeps(tiny):
+    model, tokenizer = tiny
+    ids = torch.randint(100, 4000, (1, 40), generator=torch.Generator().manual_seed(4))
+    cache = compress_context(model, tokenizer, make_policy("keydiff", 0.3), ids)
+    for layer, (_, keys, _) in enumerate(attention_inputs(model, ids)):
+        for h in range(keys.shape[1]):
+            key = keys[0, h].double()
+            anchor = (key / key.norm(dim=-1, keepdim=True)).mean(0)
+            score = -(key @ anchor) / (key.norm(dim=-1) * anchor.norm())
+            assert kept_by_layer(cache)[layer][h] == top(score, 12, set()), (layer, h)
+
+
+@torch.no_grad()
+def test_criticalkv_keeps_what_its_definition_keeps(tiny):
+    """Reference: KeyDiff's scores (its definition above), the first int(C / 2) kept by them, the rest ranked by
+    (score + 1e-4) * the L1 norm of each value times its query heads' rows of the output projection, averaged."""
+    model, tokenizer = tiny
+    ids = torch.randint(100, 4000, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = compress_context(model, tokenizer, make_policy("criticalkv", 0.3, base="keydiff"), ids)
+    heads = model.config.num_attention_heads
+    for layer, (_, keys, values) in enumerate(attention_inputs(model, ids)):
+        weight = model.model.layers[layer].self_attn.o_proj.weight.double()  # [hidden, Hq * D]
+        kv_heads, dim = keys.shape[1], keys.shape[-1]
+        group = heads // kv_heads
+        for h in range(kv_heads):
+            key = keys[0, h].double()
+            anchor = (key / key.norm(dim=-1, keepdim=True)).mean(0)
+            base = -(key @ anchor) / (key.norm(dim=-1) * anchor.norm())
+            first = top(base, 6, set())
+            norms = (
+                sum(
+                    (values[0, h].double() @ weight[:, (h * group + g) * dim : (h * group + g + 1) * dim].T)
+                    .abs()
+                    .sum(-1)
+                    for g in range(group)
+                )
+                / group
+            )
+            stage2 = (base + 1e-4) * norms
+            stage2[list(first)] = float("inf")
+            assert kept_by_layer(cache)[layer][h] == top(stage2, 12, set()), (layer, h)
+
+
+@torch.no_grad()
+def test_oracle_keeps_the_tokens_the_question_and_full_answer_attend_to(tiny):
+    """Reference: the full cache's greedy answer (plain generate), then the unpatched model's own attention weights
+    (eager) over context + question + that answer; each context token's score is the sum over the question's and
+    answer's rows and over the KV head's query heads; the newest context token is kept, then the best."""
+    model, tokenizer = tiny
+    gen = torch.Generator().manual_seed(6)
+    context, question = (
+        torch.randint(100, 4000, (1, 30), generator=gen),
+        torch.randint(100, 4000, (1, 5), generator=gen),
+    )
+    prompt = torch.cat([context, question], 1)
+    answer = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)[:, 35:]
+    cache = EvictionCache(model, make_policy("oracle", 0.3), protocol="context")
+    feed(model, cache, context, torch.ones_like(context))
+    settle(model, cache, tokenizer, context, torch.ones_like(context), question.tolist(), max_new_tokens=4,
+           do_sample=False, pad_token_id=0)  # fmt: skip
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        attentions = model(torch.cat([prompt, answer], 1), output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    for layer, weights in enumerate(attentions):
+        kv_heads = cache.layers[layer].held.shape[1]
+        group = weights.shape[1] // kv_heads
+        for h in range(kv_heads):
+            score = weights[0, h * group : (h + 1) * group, 30:, :30].sum(dim=(0, 1))
+            assert kept_by_layer(cache)[layer][h] == top(score, 9, {29}), (layer, h)
+
+
+@torch.no_grad()
+def test_kvzip_keeps_what_its_definition_keeps(tiny):
+    """Reference: the repeat passes fed after the context through a plain DynamicCache (cut back after each), each
+    pass's post-rotary queries (the module's q_proj and the model's rotary embedding at the pass's positions)
+    against the sinks, its chunk's context keys and its own keys, softmaxed there, the largest probability per
+    context token over the pass's queries and the group; then the lowest of all layers' pairs go (sinks never)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model, tokenizer = tiny
+    prefix, _ = template_parts(tokenizer)
+    ids = torch.randint(100, 4000, (1, prefix + 30), generator=torch.Generator().manual_seed(7))
+    policy = make_policy("kvzip", 0.5, n_sink=2, chunk_size=16)
+    cache = compress_context(model, tokenizer, policy, ids)
+    passes = policy.passes(Script([ids[0].tolist()], [[]], None, tokenizer))
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    dim, group, length = model.config.hidden_size // heads, heads // kv_heads, ids.shape[1]
+    scores = torch.zeros(len(model.model.layers), kv_heads, length)
+    for index, [tokens] in enumerate(passes):
+        start = prefix + 16 * index
+        end = min(start + 16, length)
+        extra = torch.tensor([tokens])
+        m = extra.shape[1]
+        inputs = attention_inputs(model, torch.cat([ids, extra], 1))
+        positions = torch.arange(length, length + m).view(1, -1)
+        cos, sin = model.model.rotary_emb(extra.float(), positions)
+        for layer, (hidden, keys, _) in enumerate(inputs):
+            module = model.model.layers[layer].self_attn
+            query = module.q_proj(hidden[:, length:]).view(1, m, heads, dim).transpose(1, 2)
+            query, _ = apply_rotary_pos_emb(query, query, cos, sin)
+            columns = list(range(min(2, start))) + list(range(start, end)) + list(range(length, length + m))
+            for h in range(kv_heads):
+                logits = query[0, h * group : (h + 1) * group] @ keys[0, h, columns].T / math.sqrt(dim)
+                causal = torch.ones(m, len(columns), dtype=torch.bool)
+                causal[:, -m:] = torch.ones(m, m, dtype=torch.bool).tril()
+                probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+                best = probs.amax(dim=(0, 1))
+                chunk = len(range(min(2, start)))
+                scores[layer, h, start:end] = best[chunk : chunk + end - start]
+    scores[..., :2] = float("inf")
+    gone = scores.flatten().argsort(stable=True)[: int(scores.numel() * 0.5)]
+    keep = torch.ones(scores.numel(), dtype=torch.bool)
+    keep[gone] = False
+    keep = keep.view_as(scores)
+    for layer in range(scores.shape[0]):
+        for h in range(kv_heads):
+            assert kept_by_layer(cache)[layer][h] == set(torch.nonzero(keep[layer, h]).flatten().tolist())
+
+
+def test_extra_passes_cannot_run_in_a_single_forward(tiny, tmp_path, data_dir):
+    from conftest import make_config
+
+    from h2o_eval.run import validate
+
+    model, _ = tiny
+    with pytest.raises(ConfigError, match="scores its prompt by extra passes before compressing it"):
+        EvictionCache(model, make_policy("kvzip", 0.5), protocol="prefill", one_forward=True)
+    with pytest.raises(ConfigError, match="a log-likelihood request's single forward cannot run"):
+        validate(make_config(data_dir, tmp_path, task="copa", policy="kvzip", protocol="prefill"))
