@@ -44,9 +44,9 @@ def check_model(name: str, hf_id: str) -> None:
         )
 
 
-def check_dataset(task: str, path: str) -> None:
+def check_dataset(task: str, path: str, option: str = "data_dir") -> None:
     """Hub data (no ``data_dir``) must be in a local cache (the hub's downloads or ``datasets``' prepared
-    copies) or downloadable now."""
+    copies) or downloadable now; the refusal names the ``option`` that points at local data."""
     import datasets.config
     from huggingface_hub import constants
 
@@ -59,5 +59,5 @@ def check_dataset(task: str, path: str) -> None:
     if reason := "HF_DATASETS_OFFLINE=1" if datasets.config.HF_DATASETS_OFFLINE else unreachable():
         raise ConfigError(
             f"task={task} reads {path} from the Hugging Face hub, which is not cached here and {reason}: "
-            f"set data_dir to a folder holding {task}/<split>.jsonl"
+            f"set {option} to a folder holding {task}/<split>.jsonl"
         )

