@@ -33,6 +33,25 @@ def expand(overrides: list[str]) -> list[list[str]]:
     return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
 
 
+def preset_sweep(overrides: list[str]) -> list[str]:
+    """``overrides`` plus the sweeps a preset among them declares (``hydra.sweeper.params``, as ``--multirun``
+    reads them: ``+experiment=kv_leaderboard``), for the keys the command line does not sweep or set itself."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    first = expand(overrides)[0] if overrides else []
+    try:
+        with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
+            config = hydra_compose(config_name="config", overrides=first, return_hydra_config=True)
+    except HydraException:
+        return overrides  # compose() names the error, cell by cell
+    given = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
+    params = OmegaConf.to_container(config.hydra.sweeper.params) or {}
+    return overrides + [f"{key}={value}" for key, value in params.items() if key not in given]
+
+
 def compose(overrides: list[str]) -> dict[str, Any]:
     """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name stops
     the whole sweep with one line."""
@@ -77,7 +96,7 @@ def main(argv: list[str]) -> None:
     from h2o_eval.run import compute, execute, existing, fail, summary_line, validate
 
     try:
-        cells = [(cell, compose(cell)) for cell in expand(argv)]
+        cells = [(cell, compose(cell)) for cell in expand(preset_sweep(argv))]
     except ConfigError as error:
         fail(error)
     configs, refused = [], []

@@ -147,3 +147,26 @@ def test_grid_records_name_the_commit_their_cells_started_from(data_dir, tmp_pat
     )
     records = [json.loads(path.read_text()) for path in (tmp_path / "grid").glob("*.json")]
     assert len(records) == 2 and all(r["git"] == {"commit": "started", "dirty": False} for r in records)
+
+
+def test_the_leaderboard_preset_sweeps_rulers_tasks_in_kvpress_protocol(data_dir, tmp_path, capsys):
+    """``+experiment=kv_leaderboard`` through the grid: its own sweep (13 tasks, every deployable policy, the full
+    cache and the oracle, kvpress's four ratios) where the command line narrows nothing, kvpress's protocol (the
+    context compressed without the question, kept int(L * (1 - ratio)), nothing evicted afterwards) in every
+    record."""
+    from h2o_eval.grid import expand, preset_sweep
+
+    swept = expand(preset_sweep(["+experiment=kv_leaderboard", "model=tiny-llama"]))
+    tasks = {cell[-3].split("=")[1] for cell in swept}
+    assert len(swept) == 13 * 16 * 4 and len(tasks) == 13 and "qa_2" in tasks
+    args = ["+experiment=kv_leaderboard", "model=tiny-llama", "task=niah_single_1", "task.length=700", "limit=2"]
+    args += ["policy=full,snapkv", "budget=0.75,0.25", "++task.max_new_tokens=4", f"data_dir={data_dir}"]
+    grid.main([*args, f"results_dir={tmp_path}", "wandb.mode=disabled"])
+    assert "3 cells, 0 with records, 3 to compute, 0 refused" in capsys.readouterr().out
+    records = [json.loads(path.read_text()) for path in tmp_path.glob("*.json")]
+    assert {(r["protocol"], r["config"]["decoding"], r["config"]["rounding"]) for r in records} == {
+        ("context", "grow", "down")
+    }
+    snapkv = {r["budget"]: r["capacity"]["capacity_mean"] for r in records if r["policy"] == "snapkv"}
+    context = records[0]["capacity"]["length_mean"]
+    assert snapkv[0.25] == pytest.approx(int(0.25 * context), abs=1) and snapkv[0.75] > snapkv[0.25]

@@ -163,3 +163,34 @@ def test_a_length_beyond_the_models_positions_stops_with_one_line(tmp_path, data
     config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", limit=1, **{"task.length": 2100})
     with pytest.raises(ConfigError, match=re.escape("new tokens exceed tiny-llama's 2048 positions: use a smaller")):
         run(config)
+
+
+def test_export_writes_each_question_without_loading_weights(tmp_path, data_dir, tiny, monkeypatch):
+    """``python -m h2o_eval.export``: the lines are the documents the runner asks (same contexts, questions,
+    references and token counts as its own prompts), and no model is loaded."""
+    from h2o_eval import export, models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("export loaded a model"))
+    args = [
+        "model=tiny-llama",
+        "task=niah_single_1",
+        "task.length=700",
+        "task.questions=2",
+        "limit=3",
+        "task.max_new_tokens=6",
+    ]
+    args += [f"data_dir={data_dir}", f"results_dir={tmp_path}", "wandb.mode=disabled", f"out={tmp_path / 'x.jsonl'}"]
+    export.main(args)
+    lines = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
+    config = validate(make_config(data_dir, tmp_path, **(SETTINGS | {"task.questions": 2})))
+    expected = [(p, k) for p in prompts(tiny[1], config) for k in range(2)]
+    assert len(lines) == 6 == len(expected)
+    for line, (prompt, k) in zip(lines, expected, strict=True):
+        question = prompt.document["questions"][k]
+        assert (line["document"], line["question_index"]) == (prompt.document["index"], k)
+        assert line["context"] == prompt.document["context"] and line["question"] == question["question"]
+        assert line["outputs"] == question["outputs"] and line["depths"] == question["depths"]
+        assert line["tokens"] == len(prompt.context_ids) + len(prompt.question_ids[k])
+        assert all(answer in line["context"] for answer in line["outputs"])
+    with pytest.raises(SystemExit):
+        export.main(["model=tiny-llama", "task=copa", f"out={tmp_path / 'y.jsonl'}"])
