@@ -68,10 +68,12 @@ def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
 def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     """Reference: the long-context runner's evaluate, one cell at a time; implementation: evaluate_shared over all
     the cells, in both protocols, batches of 3 documents of 2 questions (whose lengths differ, so the context protocol
-    answers them in groups of one length from copies of the compressed cache)."""
+    answers them in groups of one length from copies of the compressed cache). Under context, policies that score by
+    extra passes (KVzip's repeat, the oracle's answer) follow cells that answered in groups."""
     settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 6, "batch_size": 3}
     settings |= {"task.length": 700, "task.max_new_tokens": 8, "task.questions": 2}
-    cells = [(p, "prefill", b) for p, b in POLICIES[:4]] + [(p, "context", b) for p, b in POLICIES[3:]]
+    passes = [("kvzip", 0.3), ("expected_attention", 0.3), ("oracle", 0.3)]
+    cells = [(p, "prefill", b) for p, b in POLICIES[:4]] + [(p, "context", b) for p, b in POLICIES[3:] + passes]
     configs = [
         validate(make_config(data_dir, tmp_path, **settings, policy=p, protocol=protocol, budget=b))
         for p, protocol, b in cells
@@ -156,6 +158,8 @@ def test_the_leaderboard_preset_sweeps_rulers_tasks_in_kvpress_protocol(data_dir
     record."""
     from h2o_eval.grid import expand, preset_sweep
 
+    plain = ["model=tiny-llama", "policy=h2o,local"]
+    assert preset_sweep(plain) == plain  # no preset, no sweep of its own
     swept = expand(preset_sweep(["+experiment=kv_leaderboard", "model=tiny-llama"]))
     tasks = {cell[-3].split("=")[1] for cell in swept}
     assert len(swept) == 13 * 16 * 4 and len(tasks) == 13 and "qa_2" in tasks

@@ -291,10 +291,10 @@ class _Run:
                 for position, (k, rows) in enumerate(groups):
                     last = position == len(groups) - 1 and len(rows) == len(items)
                     questions = torch.tensor([items[r].question_ids[k] for r in rows], device=self.device)
-                    mask = contexts.attention_mask[rows]
+                    kept = mask[rows]
                     batch = generation.Batch(
-                        torch.cat([contexts.input_ids[rows], questions], dim=1),
-                        torch.cat([mask, mask.new_ones(questions.shape)], dim=1),
+                        torch.cat([ids[rows], questions], dim=1),
+                        torch.cat([kept, kept.new_ones(questions.shape)], dim=1),
                         contexts.input_ids.shape[1],
                     )
                     units = [(items[r], k) for r in rows]
