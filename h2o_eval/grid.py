@@ -48,7 +48,8 @@ def preset_sweep(overrides: list[str]) -> list[str]:
     except HydraException:
         return overrides  # compose() names the error, cell by cell
     given = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
-    params = OmegaConf.to_container(config.hydra.sweeper.params) or {}
+    params = config.hydra.sweeper.get("params")
+    params = OmegaConf.to_container(params) if params is not None else {}
     return overrides + [f"{key}={value}" for key, value in params.items() if key not in given]
 
 

@@ -60,14 +60,16 @@ def local_tasks(argv: list[str], folder: Path) -> list[str]:
     names, _ = _option(argv, "--tasks")
     if not names:
         return argv
-    known = task_registry()
-    tasks = [known.get(name) or {"name": name, "runner": "lm_eval"} for name in names.split(",")]
+    known, include = task_registry(), _option(argv, "--include_path")[0]
+    tasks = [
+        known.get(name) or {"name": name, "runner": "lm_eval", "include_path": include} for name in names.split(",")
+    ]
     if data_dir is None:
         for task in tasks:
             if (dataset := lmeval.hub_dataset(task)) is not None:
                 hub.check_dataset(task["name"], dataset, option="--data_dir")
         return argv
-    if _option(argv, "--include_path")[0] is not None:
+    if include is not None:
         raise ConfigError("--data_dir writes the tasks' own include path: give --data_dir or --include_path, not both")
     folder.mkdir(parents=True, exist_ok=True)
     for task in tasks:
