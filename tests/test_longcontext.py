@@ -160,7 +160,14 @@ def test_bad_settings_stop_with_one_line(overrides, message, tmp_path, data_dir)
 
 
 def test_a_length_beyond_the_models_positions_stops_with_one_line(tmp_path, data_dir):
+    """task.length beyond the positions in the model's config stops before the model loads; a length within them
+    whose prompt in the model's tokens (here fitted in Llama-3's) and new tokens are not stops once the prompts
+    exist, before any forward."""
     config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", limit=1, **{"task.length": 2100})
+    with pytest.raises(ConfigError, match=re.escape("task.length=2100 exceeds tiny-llama's 2048 positions: use task.")):
+        run(config)
+    fitted = {"task.length": 2048, "task.fit_tokenizer": "llama3"}
+    config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", limit=1, **fitted)
     with pytest.raises(ConfigError, match=re.escape("new tokens exceed tiny-llama's 2048 positions: use a smaller")):
         run(config)
 
