@@ -398,8 +398,12 @@ def _attend_without_eviction(query, key, value, chunk: Chunk) -> Result:
 
 
 def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
-    """The decode phase on the CPU: per block of rows, the block's logits (rows x visible slots), the numba scan
-    over them, then one masked softmax for the block's outputs.
+    """The decode phase on the CPU: per block of rows, the block's logits, the numba scan over them, then one
+    masked softmax for the block's outputs.
+
+    A block's rows can only see the slots held when it starts and its own tokens (an evicted token never
+    returns), so its logits are computed against those live slots alone (the scan reads them through
+    ``column``): under a budget of C the block costs rows x (C + rows), not rows x every slot before it.
 
     With ``heads="layer"`` the KV heads hold one set of tokens, so the scan walks it once, as one head whose
     group is every query head of the layer (each against its own KV head's logits), and every head gets the
@@ -417,6 +421,7 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
     leave = np.full(held.shape, n, dtype=np.int64)
     stuck = np.zeros(held.shape[:2], dtype=np.bool_)
     arriving = chunk.arriving.cpu().numpy()
+    column = np.zeros(held.shape, dtype=np.int64)
     args = (
         held,
         arriving,
@@ -429,26 +434,42 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
         enter,
         leave,
         stuck,
+        column,
     )
     output = torch.zeros_like(query)
     first = int(np.argmax(arriving.any(0)))
     device = query.device
+    buffer = torch.empty(0, dtype=torch.float32, device=device)
     for start in range(first, n, ROW_BLOCK):
         stop = min(start + ROW_BLOCK, n)
-        seen_slots = state + stop
-        logits = grouped_logits(query[:, :, start:stop], key[:, :, :seen_slots], chunk.scaling)
-        scan_rows(logits.detach().cpu().numpy().reshape(batch, sets, -1, stop - start, seen_slots), start, *args)
+        live = torch.from_numpy(held[..., : state + stop].copy())
+        live[..., state + start :] = True
+        width = int(live.sum(-1).max())
+        if width < state + stop:  # the live slots first, in slot order, then others (masked) up to the widest
+            index = torch.argsort((~live).to(torch.int8), dim=-1, stable=True)[..., :width]
+            gather = index.to(device).expand(batch, kv_heads, width).unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
+            live_keys, live_values = key.gather(2, gather), value.gather(2, gather)
+        else:
+            index = torch.arange(width).expand(batch, sets, width)
+            live_keys, live_values = key[:, :, :width], value[:, :, :width]
+        index = index.numpy()
+        np.put_along_axis(column, index, np.arange(width), axis=-1)
+        if buffer.numel() < query.shape[1] * batch * (stop - start) * width:
+            buffer = torch.empty(query.shape[1] * batch * ROW_BLOCK * width, dtype=torch.float32, device=device)
+        logits = grouped_logits(query[:, :, start:stop], live_keys, chunk.scaling, out=buffer)
+        scan_rows(logits.detach().cpu().numpy().reshape(batch, sets, -1, stop - start, width), start, *args)
         if stuck.any():
             raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
         rows = torch.arange(start, stop, device=device).view(1, 1, -1, 1)
-        enter_t = torch.from_numpy(enter[..., :seen_slots]).to(device).unsqueeze(2)
-        leave_t = torch.from_numpy(leave[..., :seen_slots]).to(device).unsqueeze(2)
+        enter_t = torch.from_numpy(np.take_along_axis(enter, index, -1)).to(device).unsqueeze(2)
+        leave_t = torch.from_numpy(np.take_along_axis(leave, index, -1)).to(device).unsqueeze(2)
         seen = (rows >= enter_t) & (rows < leave_t)
         # A padding row sees only itself, so its (unused) output stays finite.
-        own = torch.arange(seen_slots, device=device).view(1, 1, 1, -1) == (state + rows)
+        own = torch.from_numpy(index).to(device).unsqueeze(2) == (state + rows)
         seen = seen | (~chunk.arriving[:, start:stop].view(batch, 1, -1, 1) & own)
-        probs = torch.softmax(logits.masked_fill(~seen.unsqueeze(2), float("-inf")), dim=-1)
-        output[:, :, start:stop] = grouped_values(probs, value[:, :, :seen_slots]).to(query.dtype)
+        logits.masked_fill_(~seen.unsqueeze(2), float("-inf"))
+        probs = torch.softmax(logits, dim=-1, out=logits)
+        output[:, :, start:stop] = grouped_values(probs, live_values).to(query.dtype)
     held_t, scores_t = (torch.from_numpy(a).to(device).expand(batch, kv_heads, -1).contiguous() for a in (held, scores))
     return Result(output, held_t, scores_t, chunk.capacity)
 

@@ -7,9 +7,11 @@ scores (``votes`` 0: add, 1: replace, 2: leave them). It records when each slot 
 can compute the block's outputs with one masked softmax. Its reference is the mechanism's definition,
 :func:`h2o_eval.eviction.attend_chunk_reference`.
 
-Shapes: logits [B, Hkv, G, rows, slots_visible] float32 (rows row0.. of the chunk); held [B, Hkv, N] bool;
-arriving [B, n] bool; position [B, Hkv, N] int64; scores [B, Hkv, N] float32; capacity [B, Hkv]; recent,
-sinks [B]; enter, leave [B, Hkv, N] int64 (chunk rows); stuck [B, Hkv] bool. Slot of chunk row r: N - n + r.
+Shapes: logits [B, Hkv, G, rows, columns] float32 (rows row0.. of the chunk, against the block's live slots);
+held [B, Hkv, N] bool; arriving [B, n] bool; position [B, Hkv, N] int64; scores [B, Hkv, N] float32; capacity
+[B, Hkv]; recent, sinks [B]; enter, leave [B, Hkv, N] int64 (chunk rows); stuck [B, Hkv] bool; column [B, Hkv, N]
+int64, each slot's column in the logits (read only for the slots held during the block). Slot of chunk row r:
+N - n + r.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def _victim(slots, count, held_scores, positions, now, recent, sinks):
 
 @numba.njit(cache=True, parallel=True)
 def scan_rows(
-    logits, row0, held, arriving, position, scores, capacity, recent, sinks, votes, enter, leave, stuck
+    logits, row0, held, arriving, position, scores, capacity, recent, sinks, votes, enter, leave, stuck, column
 ):  # fmt: skip
     batch, kv_heads, group, rows, _ = logits.shape
     num_slots = held.shape[2]
@@ -80,10 +82,10 @@ def scan_rows(
                 for g in range(group):
                     top = -np.inf
                     for k in range(count):
-                        top = max(top, logits[b, h, g, i, slots[k]])
+                        top = max(top, logits[b, h, g, i, column[b, h, slots[k]]])
                     total = 0.0
                     for k in range(count):
-                        weights[k] = np.exp(logits[b, h, g, i, slots[k]] - top)
+                        weights[k] = np.exp(logits[b, h, g, i, column[b, h, slots[k]]] - top)
                         total += weights[k]
                     for k in range(count):
                         attention[k] += np.float32(weights[k] / total)

@@ -82,6 +82,27 @@ def test_decode_rows_are_processed_in_blocks(monkeypatch):
         assert_same_result(attend_chunk(query, key, value, chunk), whole, chunk)
 
 
+@pytest.mark.parametrize("rule", ["h2o", "tova_layer"])
+def test_decode_blocks_compute_logits_only_for_the_slots_they_can_see(monkeypatch, rule):
+    """Reference: attend_chunk_reference; implementation: the fast path in blocks of 8 rows, whose logits are
+    computed against only the slots held when the block starts and its own 8 rows (an evicted token never
+    returns): at most C + 8 columns of the 43 slots, per KV head or, with heads=layer, one set for the layer."""
+    import h2o_eval.eviction as eviction
+
+    query, key, value, chunk = make_chunk(2, 6, 2, 40, 3, RULES[rule], 0, "left")
+    widths = []
+
+    def scan_rows(logits, *args):
+        widths.append(logits.shape[-1])
+        return real_scan(logits, *args)
+
+    real_scan = eviction.scan_rows
+    monkeypatch.setattr(eviction, "scan_rows", scan_rows)
+    monkeypatch.setattr(eviction, "ROW_BLOCK", 8)
+    assert_same_result(attend_chunk(query, key, value, chunk), attend_chunk_reference(query, key, value, chunk), chunk)
+    assert len(widths) == 5 and max(widths[1:]) <= int(chunk.capacity.max()) + 8
+
+
 def one_hot_chunk(rows: list[list[float]], capacity: int, recent: int, rule: Rule = RULES["h2o"], prefill: int = 0):
     """One sequence, one head, keys = identity: row r's logits over the slots are exactly ``rows[r]``."""
     n = len(rows)
