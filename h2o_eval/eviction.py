@@ -342,10 +342,14 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
     weights = rule.prompt_weights(rows)
     scores = chunk.scores.float().clone()
     if weights is None:
-        seen = visible(rows, torch.arange(last, device=q.device), torch.arange(last, device=q.device))
+        # Without padding this is plain causal attention: SDPA's causal kernel (the same numbers, at 4k half the
+        # time of the masked one).
+        causal = bool(rows.all())
+        cols = torch.arange(last, device=q.device)
+        seen = None if causal else visible(rows, cols, cols).unsqueeze(1)
         output = (
             torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=seen.unsqueeze(1), scale=chunk.scaling, enable_gqa=True
+                q, k, v, attn_mask=seen, is_causal=causal, scale=chunk.scaling, enable_gqa=True
             )
             if chunk.output
             else None
