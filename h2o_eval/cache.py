@@ -44,6 +44,7 @@ from h2o_eval.eviction import (
     compress,
 )
 from h2o_eval.policies import UNBOUNDED, Policy, check_decoding, check_kernels, check_protocol
+from h2o_eval.policies.base import DecodeVote
 from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
 
 # auto: Triton on CUDA tensors, the numba-compiled scan elsewhere; torch: the plain reference loop; triton: forced.
@@ -112,6 +113,9 @@ class EvictionLayer(CacheLayerMixin):
         self.moved = False  # whether slots stopped being the model's own positions (an eviction or compaction)
         self.kept: torch.Tensor | None = None  # [B, Hkv] tokens held right after the prompt was compressed
         self.rehearsed: torch.Tensor | None = None  # [B, Hkv, S] the compression scores of a deferred prompt
+        self.unbounded = False  # whether no (sequence, KV head) can evict any more: the cache only grows
+        self.appended = False  # whether ``update`` appended a decode step's token (see ``_append``)
+        self.room: dict[str, torch.Tensor] | None = None  # buffers whose first slots are keys, values, ...
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, kv_heads, _, _ = key_states.shape
@@ -127,12 +131,14 @@ class EvictionLayer(CacheLayerMixin):
         self.check_attended()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if (
-            self.window is None
-            and key_states.shape[2] == 1
-            and self.seen > 0
-            and (slot := self._claim(key_states)) is not None
-        ):
+        owner = self.owner
+        step = self.window is None and key_states.shape[2] == 1 and self.seen > 0 and owner.rehearsing is None
+        if step and self.unbounded and owner.rule.decode_votes == DecodeVote.NONE:
+            # A cache that can no longer evict and whose scores no longer change: the token goes at the end.
+            self.appended = True
+            self.pending = self._append(key_states, value_states)
+            return self.pending
+        if step and not self.unbounded and (slot := self._claim(key_states)) is not None:
             # One token per sequence into a warm cache: evict (or take a free slot) right here, in place.
             index = slot.view(*slot.shape, 1, 1).expand(-1, -1, 1, key_states.shape[-1])
             self.keys.scatter_(2, index, key_states)
@@ -151,6 +157,41 @@ class EvictionLayer(CacheLayerMixin):
                 f"layers [{self.layer_idx}] did not run through the h2o_eval attention backend: this model cannot "
                 "be evaluated with eviction (refusing to report unpatched numbers)"
             )
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Put one token per sequence in a new last slot, in place: the slots live at the start of larger buffers
+        (``room``), grown by an eighth when they fill, so a step copies one token, not the whole cache as
+        ``torch.cat`` would. Its score is the policy's starting score once slots stopped being positions, else 0
+        (as :meth:`_keep_all` gives; nothing reads it)."""
+        size = self.keys.shape[2]
+        state = {
+            "keys": self.keys, "values": self.values, "held": self.held, "position": self.position,
+            "scores": self.scores,
+        }  # fmt: skip
+        room = self.room
+        if (
+            room is None
+            or any(room[name].data_ptr() != tensor.data_ptr() for name, tensor in state.items())
+            or room["keys"].shape[2] == size
+        ):
+            room = {}
+            for name, tensor in state.items():
+                room[name] = tensor.new_empty(*tensor.shape[:2], size + max(size // 8, 64), *tensor.shape[3:])
+                room[name][:, :, :size] = tensor
+            self.room = room
+        now = self.real_seen.view(-1, 1).expand(-1, key_states.shape[1])
+        room["keys"][:, :, size] = key_states[:, :, 0]
+        room["values"][:, :, size] = value_states[:, :, 0]
+        room["held"][:, :, size] = True
+        room["position"][:, :, size] = now
+        if self.moved:
+            fresh = starting_scores(self.owner.policy, key_states, now.unsqueeze(-1), self.layer_idx)
+            room["scores"][:, :, size] = fresh[:, :, 0]
+        else:
+            room["scores"][:, :, size] = 0
+        for name in state:
+            setattr(self, name, room[name][:, :, : size + 1])
+        return self.keys, self.values
 
     def _claim(self, key_states: torch.Tensor) -> torch.Tensor | None:
         plan = self.plan
@@ -180,9 +221,22 @@ class EvictionLayer(CacheLayerMixin):
         arriving = key_validity(attention_mask, batch, n, key.device)
         if owner.rehearsing is not None:
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
-        check_window(owner.window, int((self.real_seen + arriving.sum(-1)).max()))
+        if owner.window is not None:
+            check_window(owner.window, int((self.real_seen + arriving.sum(-1)).max()))
         if self.window is not None:
             return self._attend_window(module, query, key, value, attention_mask, scaling, arriving, output)
+        if self.appended:
+            if not bool(arriving.all()):
+                raise RuntimeError(
+                    "a padding token after the prompt: EvictionCache takes padding only in the first chunk"
+                )
+            self.appended = False
+            if self.moved:  # slots are no longer positions: the model's mask does not apply to them
+                output = attend_held(query, key, value, self.held, self.scores, owner.rule, scaling, owner.triton)
+            else:
+                output = plain_attention(module, query, key, value, attention_mask, scaling)
+            self._advance(arriving)
+            return output
         if self.slot is not None:
             if not bool(arriving.all()):
                 raise RuntimeError(
@@ -203,6 +257,7 @@ class EvictionLayer(CacheLayerMixin):
         new_position = new_position.unsqueeze(1).expand(batch, kv_heads, n)
         if first and owner.deferred or not self.moved and self._evicts_nothing(first, arriving):
             self._keep_all(key, value, arriving, new_position)  # a deferred prompt is compressed after its passes
+            self.unbounded = not self.moved and bool((self.plan["capacity"] >= UNBOUNDED).all())
             return plain_attention(module, query, key, value, attention_mask, scaling) if output else None
         position = torch.cat([self.position, new_position], dim=-1).contiguous()
         fresh = starting_scores(owner.policy, key[:, :, -n:], new_position, self.layer_idx)
@@ -244,6 +299,7 @@ class EvictionLayer(CacheLayerMixin):
         )
         result = owner.kernel(query, key, value, chunk)
         self.plan["capacity"] = result.capacity
+        self.unbounded = bool((result.capacity >= UNBOUNDED).all())
         if result.kept is not None:
             self.kept = result.kept
         entered = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
@@ -303,6 +359,7 @@ class EvictionLayer(CacheLayerMixin):
             owner.rule,
         )  # fmt: skip
         self.plan["capacity"], self.kept, self.rehearsed = after, held.sum(-1), None
+        self.unbounded = bool((after >= UNBOUNDED).all())
         self._keep(self.keys, self.values, held, self.position, scores, self.held)
 
     def _evicts_nothing(self, first: bool, arriving: torch.Tensor) -> bool:
@@ -352,6 +409,7 @@ class EvictionLayer(CacheLayerMixin):
             raise RuntimeError("a cache can be forked between forwards only")
         layer = EvictionLayer(owner, self.layer_idx, self.window)
         layer.seen, layer.moved, layer.is_initialized = self.seen, self.moved, self.is_initialized
+        layer.unbounded = self.unbounded
         for name in ("keys", "values", "held", "position", "scores", "real_seen", "kept", "rehearsed"):
             value = getattr(self, name, None)
             setattr(layer, name, None if value is None else value.index_select(0, rows.to(value.device)).clone())
@@ -381,6 +439,7 @@ class EvictionLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.is_initialized = False
         self.seen, self.pending, self.slot, self.plan, self.moved, self.kept = 0, None, None, None, False, None
+        self.unbounded, self.appended, self.room = False, False, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("EvictionCache does not support beam search")

@@ -111,6 +111,39 @@ def test_a_budget_covering_prompt_and_output_changes_nothing(tiny, name, protoco
         assert small.peak_entries == (most + 15 if policy.rule.grows else 4)  # the last token is never fed
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["full", "snapkv", "adakv", "keydiff"])
+def test_a_cache_that_cannot_evict_appends_decode_steps_in_place_as_one_chunk_would(tiny, name):
+    """Reference: the tokens a cache generated step by step, fed after the same prompt as one chunk (attention over
+    the held slots and the chunk's own tokens, causally); implementation: decode steps of a cache that can no longer
+    evict (full; snapkv and adakv, whose heads hold different counts, and keydiff, which rescores its prompt, after
+    their prompt), each writing its token into spare room at the end of the layer's buffers, so that the slots never move (no copy of the cache)."""
+    model, tokenizer = tiny
+    batch = prompts_batch(tokenizer)
+    params = {"window": 2} if name == "snapkv" else {}
+
+    def prefilled():
+        cache = EvictionCache(model, make_policy(name, budget=4, **params), protocol="prefill")
+        logits = model(**batch, cache=cache, use_cache=True).logits[:, -1:]
+        return cache, logits
+
+    cache, logits = prefilled()
+    tokens, steps, storage = [], [], []
+    mask = batch.attention_mask
+    for _ in range(6):
+        tokens.append(logits.argmax(-1))
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], -1)
+        logits = model(tokens[-1], attention_mask=mask, cache=cache, use_cache=True).logits
+        steps.append(logits)
+        storage.append(cache.layers[0].keys.data_ptr())
+    assert len(set(storage)) == 1
+    chunk_cache, _ = prefilled()
+    chunk = model(torch.cat(tokens, -1), attention_mask=mask, cache=chunk_cache, use_cache=True).logits
+    torch.testing.assert_close(torch.cat(steps, 1), chunk, rtol=1e-5, atol=1e-5)
+    for layer, other in zip(cache.layers, chunk_cache.layers, strict=True):
+        assert torch.equal(layer.held, other.held)
+
+
 def test_prompts_show_shots_in_helm_style_and_never_the_document_itself(data_dir):
     documents = [json.loads(line) for line in (data_dir / "xsum" / "test.jsonl").open()][:40]
     form = template({"template": "xsum"})
