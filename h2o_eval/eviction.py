@@ -472,7 +472,7 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
         own = torch.from_numpy(index).to(device).unsqueeze(2) == (state + rows)
         seen = seen | (~chunk.arriving[:, start:stop].view(batch, 1, -1, 1) & own)
         logits.masked_fill_(~seen.unsqueeze(2), float("-inf"))
-        probs = torch.softmax(logits, dim=-1, out=logits)
+        probs = logits.softmax(-1) if logits.requires_grad else torch.softmax(logits, dim=-1, out=logits)
         output[:, :, start:stop] = grouped_values(probs, live_values).to(query.dtype)
     held_t, scores_t = (torch.from_numpy(a).to(device).expand(batch, kv_heads, -1).contiguous() for a in (held, scores))
     return Result(output, held_t, scores_t, chunk.capacity)

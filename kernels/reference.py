@@ -14,10 +14,13 @@ def grouped_logits(
 ) -> torch.Tensor:
     """query [B, Hq, n, D] against key [B, Hkv, N, D]: [B, Hkv, G, n, N] float32 logits, without copying K per
     query head (query head h*G+g reads KV head h). ``out``: a flat float32 buffer of at least B * Hq * n * N
-    elements to write them to (on the CPU a fresh tensor that large costs its page faults on every call)."""
+    elements to write them to (on the CPU a fresh tensor that large costs its page faults on every call); unused
+    while autograd records query or key, as matmul's ``out=`` has no gradient."""
     batch, q_heads, n, dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     grouped = query.float().reshape(batch, kv_heads, q_heads // kv_heads * n, dim)
+    if out is not None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad):
+        out = None
     if out is not None:
         out = out[: batch * q_heads * n * slots].view(batch, kv_heads, q_heads // kv_heads * n, slots)
     logits = torch.matmul(grouped, key.float().transpose(-1, -2), out=out).mul_(scaling)
@@ -101,7 +104,7 @@ def column_scores_reference(
                     logits.masked_fill_(~seen, -torch.inf)
                 else:  # only the block's own square has keys after a row
                     logits[..., start:stop].masked_fill_(ahead, -torch.inf)
-                probs = torch.softmax(logits, dim=-1, out=logits)
+                probs = logits.softmax(-1) if logits.requires_grad else torch.softmax(logits, dim=-1, out=logits)
                 if attention is not None:
                     attention[b, heads, start:stop] = grouped_values(probs, v.view(1, 1, stop, -1))[0].to(query.dtype)
                 summed = torch.matmul(row_weights, probs.view(1, 1, -1, stop))
