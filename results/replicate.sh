@@ -4,12 +4,11 @@
 #   bash results/replicate.sh [DATA_DIR] [RUNS_DIR] [STAGE ...]
 # The stages given run one after another, each one process of one thread at a time (default: all but zero_shot,
 # most important first). On a 2-core machine run two lanes side by side, then the tables:
-#   bash results/replicate.sh ../shared/data RUNS long_context summaries &
+#   bash results/replicate.sh ../shared/data RUNS summaries piqa500 &
 #   bash results/replicate.sh ../shared/data RUNS headline protocols budgets gemma
 #   bash results/replicate.sh ../shared/data RUNS tables
-# A long-context grid at 4k with batch 4 holds about 9 GB (34 cells; 5.2 GB peak RSS for the 17 cells of one
-# protocol) and Gemma's lm-eval runs 7-9 GB: not two at a time in 24 GB. (Before 9d75e92 finished caches were
-# freed only by a full gc, grids grew about 1 GB per batch, and two grids side by side were killed for memory.)
+# Gemma's lm-eval runs hold 7-9 GB. results/replication/long_context was made at commit f26bcec with the retired
+# news-haystack tasks (niah_single, niah_multikey; check out f26bcec to rerun it); RULER's tasks are results/ruler.sh.
 # Stages:
 #   zero_shot     the first replication: SmolLM2, 0-shot, 100 documents (MathQA 50); COPA's full cache is its anchor
 #   headline      SmolLM2, 5-shot, simulate at 20 %: full, h2o, local, h2o_reference, streaming, tova
@@ -18,8 +17,7 @@
 #   gemma         Gemma 3 270M, 5-shot, simulate at 20 %: COPA's headline cells, then PIQA (100) full, h2o, local
 #   piqa500       SmolLM2, 5-shot, PIQA's first 500 documents, simulate at 20 %: full, h2o, local, h2o_reference
 #   summaries     XSUM and CNN/DM, 1-shot, 100 documents, prefill at 20 %: full, h2o, local, streaming, tova
-#   long_context  niah_single and niah_multikey at 1k/2k/4k, every policy at 10 % and 25 %, prefill and context
-#   tables        results/replication/{5shot,gemma,summaries,long_context}: tables, paired tests and figures, each
+#   tables        results/replication/{5shot,gemma,summaries}: tables, paired tests and figures, each
 #                 from its records in RUNS_DIR/replication (a folder without records there is left as committed)
 #
 # zero_shot writes to RUNS_DIR and results/replication/ (as it did); the others to RUNS_DIR/replication.
@@ -30,12 +28,11 @@
 # on COPA and PIQA alone a setting takes about 280 s: protocols took 76 min and budgets 54. Gemma 3 270M is
 # about 2.5x slower (262k-word vocabulary; 200 s on COPA, 480 s on PIQA's 100). Summaries 1-shot take about
 # 5.7 s per XSUM document and 9.8 s per CNN/DM one (570 s and 980 s per policy on 100): 7,760 s for the stage.
-# A long-context grid of 34 cells over 20 documents takes about 1,700 s at 1k, 2,800 s at 2k and 5,000 s at 4k.
 set -euo pipefail
 data=${1:-../shared/data}
 runs=${2:-results/runs}
 shift $(( $# < 2 ? $# : 2 ))
-stages=${*:-headline protocols budgets long_context summaries gemma piqa500 tables}
+stages=${*:-headline protocols budgets summaries gemma piqa500 tables}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
 export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
 out=$runs/replication
@@ -100,16 +97,6 @@ summaries() {  # 1-shot: the paper's 5-shot HELM prompts are about 2,600 tokens,
     sweep model=smollm2-135m task=xsum,cnn_dailymail limit=100 num_fewshot=1 protocol=prefill \
         policy=full,h2o,local,streaming,tova budget=0.2
 }
-long_context() {  # one process per length: a grid's memory is given back when it ends
-    for task in niah_single niah_multikey; do
-        for length in 1024 2048 4096; do
-            python -m h2o_eval.grid model=smollm2-135m task=$task task.length=$length ++task.max_new_tokens=32 \
-                limit=20 batch_size=4 policy=full,h2o,local,streaming,tova,snapkv,pyramidkv,adakv,knorm \
-                budget=0.1,0.25 protocol=prefill,context threads=1 data_dir="$data" results_dir="$out" \
-                wandb.mode=disabled
-        done
-    done
-}
 plot() {  # plot RECORD_GLOB ARGS...: the tables and figures of the records matching RECORD_GLOB (a path under
     # RUNS_DIR/replication), if there are any
     local pattern=$1
@@ -122,7 +109,7 @@ plot() {  # plot RECORD_GLOB ARGS...: the tables and figures of the records matc
 }
 tables() {
     local smollm2="--model smollm2-135m" five="smollm2-135m__copa__*__5shot__*" gemma="gemma3-270m__*"
-    local niah="smollm2-135m__niah_*" piqa500="piqa500/smollm2-135m__piqa__*" summaries="smollm2-135m__xsum__*"
+    local piqa500="piqa500/smollm2-135m__piqa__*" summaries="smollm2-135m__xsum__*"
     plot "$five" $smollm2 --task $ll_tasks --out results/replication/5shot --at 0.1 0.2 0.5
     plot "$five" $smollm2 --task $ll_tasks --out results/replication/5shot/against_local --at 0.2 --against local
     plot "$five" $smollm2 --task $ll_tasks --out results/replication/5shot/against_h2o_reference --at 0.1 0.2 0.5 \
@@ -134,14 +121,12 @@ tables() {
     plot "$summaries" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --at 0.2
     plot "$summaries" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries/against_local --at 0.2 \
         --against local
-    plot "$niah" $smollm2 --task niah_single niah_multikey --out results/replication/long_context/tables --at 0.1 0.25
-    plot "$niah" --needle --out results/replication/long_context
 }
 
 mkdir -p "$out"
 for stage in $stages; do
     case $stage in
-        zero_shot | headline | protocols | budgets | gemma | piqa500 | summaries | long_context | tables)
+        zero_shot | headline | protocols | budgets | gemma | piqa500 | summaries | tables)
             echo "$(date -u +%H:%M:%S) $stage"
             set +e  # so that the stage's own errexit holds: it stops at its first failed command
             ( set -e; $stage ) >> "$runs.$stage.log" 2>&1
@@ -149,6 +134,6 @@ for stage in $stages; do
             set -e
             [ $status -eq 0 ] || { echo "stage $stage failed: see $runs.$stage.log, then run this again" >&2; exit 1; }
             ;;
-        *) echo "unknown stage '$stage': use zero_shot, headline, protocols, budgets, gemma, piqa500, summaries, long_context or tables" >&2; exit 2 ;;
+        *) echo "unknown stage '$stage': use zero_shot, headline, protocols, budgets, gemma, piqa500, summaries or tables" >&2; exit 2 ;;
     esac
 done
