@@ -100,7 +100,7 @@ def run(model, setting: str, ids: torch.Tensor, new_tokens: int, budget: float, 
     if name == "plain":
         model.set_attn_implementation("sdpa")
         out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
-        cache = out.past_key_values
+        cache = out.cache
     else:
         protocol = protocol or "prefill"
         cache = EvictionCache(model, make_policy(name, budget=budget), protocol=protocol)
