@@ -117,7 +117,8 @@ def test_a_cache_that_cannot_evict_appends_decode_steps_in_place_as_one_chunk_wo
     """Reference: the tokens a cache generated step by step, fed after the same prompt as one chunk (attention over
     the held slots and the chunk's own tokens, causally); implementation: decode steps of a cache that can no longer
     evict (full; snapkv and adakv, whose heads hold different counts, and keydiff, which rescores its prompt, after
-    their prompt), each writing its token into spare room at the end of the layer's buffers, so that the slots never move (no copy of the cache)."""
+    their prompt), each writing its token into spare room at the end of the layer's buffers, so that the slots
+    never move (no copy of the cache)."""
     model, tokenizer = tiny
     batch = prompts_batch(tokenizer)
     params = {"window": 2} if name == "snapkv" else {}
