@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Every command behind results/ruler/ (RULER's thirteen tasks, the scorers of 2026, the leaderboard; see
+# results/README.md). Resumable: a setting whose record exists is skipped, so run it again after any interruption.
+#   bash results/ruler.sh [DATA_DIR] [RUNS_DIR] [STAGE ...]
+# Each stage is one process of one thread at a time; on a 2-core machine run two lanes side by side, then tables:
+#   bash results/ruler.sh ../shared/data RUNS scorers full floor &
+#   bash results/ruler.sh ../shared/data RUNS leaderboard
+#   bash results/ruler.sh ../shared/data RUNS tables
+# Stages:
+#   scorers       issue 29: the new scorers and the oracle beside the full cache, niah_single_2, context protocol,
+#                 budgets 25/50/75 %: SmolLM2 at 2k (20 documents), Gemma 3 at 4k (10 documents)
+#   full          the full cache on RULER's 13 tasks at 4k, RULER's documents (one question each), SmolLM2, 10 per
+#                 task (the first 10 of the 40 issue 33 asks for: FULL_LIMIT=40 runs those)
+#   full_gemma    the same for Gemma 3 270M
+#   floor         h2o, local and snapkv at 25 % on niah_single_2 at 4k (context protocol, the policies' own
+#                 decoding), SmolLM2, 10 documents, against the news-haystack grid's 0.20 floor
+#   leaderboard   +experiment=kv_leaderboard: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe and
+#                 fwe, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe: 20)
+#   tables        results/ruler/*: tables, paired tests, the headline and the leaderboard, from RUNS_DIR/ruler
+set -euo pipefail
+data=${1:-../shared/data}
+runs=${2:-results/runs}
+shift $(( $# < 2 ? $# : 2 ))
+stages=${*:-scorers full floor full_gemma leaderboard tables}
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
+out=$runs/ruler
+grid() { python -m h2o_eval.grid data_dir="$data" wandb.mode=disabled threads=1 "$@"; }
+
+ruler_tasks=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe,qa_1,qa_2
+many_questions=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,qa_1,qa_2
+scorer_policies=full,oracle,expected_attention,keydiff,kvzip,criticalkv,snapkv,knorm,streaming
+board_policies=full,oracle,kvzip,expected_attention,criticalkv,keydiff,snapkv,streaming,knorm,random,h2o,tova
+
+scorers() {
+    grid model=smollm2-135m task=niah_single_2 task.length=2048 ++task.max_new_tokens=32 limit=20 batch_size=4 \
+        policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/scorers"
+    grid model=gemma3-270m task=niah_single_2 task.length=4096 ++task.max_new_tokens=32 limit=10 batch_size=2 \
+        policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/scorers"
+}
+full() {
+    for task in ${ruler_tasks//,/ }; do
+        grid model=smollm2-135m task=$task limit="${FULL_LIMIT:-10}" batch_size=4 policy=full protocol=context \
+            results_dir="$out/full"
+    done
+}
+full_gemma() {
+    for task in ${ruler_tasks//,/ }; do
+        grid model=gemma3-270m task=$task limit=10 batch_size=2 policy=full protocol=context results_dir="$out/full"
+    done
+}
+floor() {
+    grid model=smollm2-135m task=niah_single_2 limit=10 batch_size=4 policy=full,h2o,local,snapkv budget=0.25 \
+        protocol=context results_dir="$out/floor"
+}
+board() {  # board MODEL HAYSTACKS BATCH: 4 questions per haystack; cwe and fwe (one question) on 4x the documents
+    local model=$1 limit=$2 batch=$3 task
+    for task in ${many_questions//,/ }; do
+        grid +experiment=kv_leaderboard model="$model" task=$task task.questions=4 limit="$limit" batch_size="$batch" \
+            policy=$board_policies results_dir="$out/leaderboard"
+    done
+    grid +experiment=kv_leaderboard model="$model" task=cwe,fwe limit=$((4 * limit)) batch_size=$((2 * batch)) \
+        policy=$board_policies results_dir="$out/leaderboard"
+}
+leaderboard() {
+    board smollm2-135m 10 2
+    board gemma3-270m 5 1
+}
+tables() {
+    local folder
+    for folder in scorers full floor leaderboard; do
+        [ -d "$out/$folder" ] || { echo "no records in $out/$folder: results/ruler/$folder left as committed"; continue; }
+        case $folder in
+            scorers) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 0.5 0.75 ;;
+            floor) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 ;;
+            full) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" ;;
+            leaderboard) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --leaderboard ;;
+        esac
+    done
+}
+for stage in $stages; do "$stage"; done
