@@ -1,4 +1,5 @@
-"""Every Python block of the README runs as written (so it cannot drift from the code)."""
+"""Every Python block of the README runs as written, and its settings table names what exists (so neither can
+drift from the code)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import sys
 import pytest
 from conftest import REPO
 
-BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.DOTALL)
+README = (REPO / "README.md").read_text()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 
 
 def test_the_readme_has_python_blocks():
@@ -24,3 +26,11 @@ def test_a_readme_python_block_runs_as_written(block, tmp_path):
         [sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_settings_table_names_every_policy():
+    from h2o_eval.policies import POLICIES
+
+    row = next(line for line in README.splitlines() if line.startswith("| `policy` |"))
+    names = row.split("|")[2].split("(")[0]
+    assert set(re.findall(r"`(\w+)`", names)) == set(POLICIES)
