@@ -1,30 +1,32 @@
 #!/usr/bin/env bash
 # Every command behind results/ruler/ (RULER's thirteen tasks, the scorers of 2026, the leaderboard; see
-# results/README.md). Resumable: a setting whose record exists is skipped, so run it again after any interruption.
-#   bash results/ruler.sh [DATA_DIR] [RUNS_DIR] [STAGE ...]
+# results/README.md). Records go to RECORDS/<stage> (default results/ruler/records, which is committed: the tables
+# can be rebuilt from it anywhere, and a run of many hours can go on over several machines). Resumable: a setting
+# whose record exists is skipped, so run it again after any interruption.
+#   bash results/ruler.sh [DATA_DIR] [RECORDS] [STAGE ...]
 # Each stage is one process of one thread at a time; on a 2-core machine run two lanes side by side, then tables:
-#   bash results/ruler.sh ../shared/data RUNS scorers full floor &
-#   bash results/ruler.sh ../shared/data RUNS leaderboard
-#   bash results/ruler.sh ../shared/data RUNS tables
+#   bash results/ruler.sh ../shared/data results/ruler/records scorers full floor &
+#   bash results/ruler.sh ../shared/data results/ruler/records scorers_gemma full_gemma leaderboard
+#   bash results/ruler.sh ../shared/data results/ruler/records tables
 # Stages:
 #   scorers       issue 29: the new scorers and the oracle beside the full cache, niah_single_2, context protocol,
-#                 budgets 25/50/75 %: SmolLM2 at 2k (20 documents), Gemma 3 at 4k (10 documents)
-#   full          the full cache on RULER's 13 tasks at 4k, RULER's documents (one question each), SmolLM2, 10 per
-#                 task (the first 10 of the 40 issue 33 asks for: FULL_LIMIT=40 runs those)
+#                 budgets 25/50/75 %, SmolLM2 at 2k (20 documents)
+#   scorers_gemma the same on Gemma 3 at 4k (10 documents)
+#   full          the full cache on RULER's 13 tasks at 4k, RULER's documents (one question each), SmolLM2, 40 per
+#                 task (FULL_LIMIT=10 runs the first 10 of them)
 #   full_gemma    the same for Gemma 3 270M
 #   floor         h2o, local and snapkv at 25 % on niah_single_2 at 4k (context protocol, the policies' own
 #                 decoding), SmolLM2, 10 documents, against the news-haystack grid's 0.20 floor
 #   leaderboard   +experiment=kv_leaderboard: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe and
 #                 fwe, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe: 20)
-#   tables        results/ruler/*: tables, paired tests, the headline and the leaderboard, from RUNS_DIR/ruler
+#   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard, from RECORDS/<stage>
 set -euo pipefail
 data=${1:-../shared/data}
-runs=${2:-results/runs}
+out=${2:-results/ruler/records}
 shift $(( $# < 2 ? $# : 2 ))
-stages=${*:-scorers full floor full_gemma leaderboard tables}
+stages=${*:-scorers scorers_gemma full floor full_gemma leaderboard tables}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
 export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
-out=$runs/ruler
 grid() { python -m h2o_eval.grid data_dir="$data" wandb.mode=disabled threads=1 "$@"; }
 
 ruler_tasks=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe,qa_1,qa_2
@@ -35,12 +37,14 @@ board_policies=full,oracle,kvzip,expected_attention,criticalkv,keydiff,snapkv,st
 scorers() {
     grid model=smollm2-135m task=niah_single_2 task.length=2048 ++task.max_new_tokens=32 limit=20 batch_size=4 \
         policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/scorers"
+}
+scorers_gemma() {
     grid model=gemma3-270m task=niah_single_2 task.length=4096 ++task.max_new_tokens=32 limit=10 batch_size=2 \
-        policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/scorers"
+        policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/scorers_gemma"
 }
 full() {
     for task in ${ruler_tasks//,/ }; do
-        grid model=smollm2-135m task=$task limit="${FULL_LIMIT:-10}" batch_size=4 policy=full protocol=context \
+        grid model=smollm2-135m task=$task limit="${FULL_LIMIT:-40}" batch_size=4 policy=full protocol=context \
             results_dir="$out/full"
     done
 }
@@ -68,10 +72,10 @@ leaderboard() {
 }
 tables() {
     local folder
-    for folder in scorers full floor leaderboard; do
+    for folder in scorers scorers_gemma full floor leaderboard; do
         [ -d "$out/$folder" ] || { echo "no records in $out/$folder: results/ruler/$folder left as committed"; continue; }
         case $folder in
-            scorers) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 0.5 0.75 ;;
+            scorers | scorers_gemma) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 0.5 0.75 ;;
             floor) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 ;;
             full) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" ;;
             leaderboard) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --leaderboard ;;
