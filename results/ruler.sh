@@ -34,14 +34,12 @@ many_questions=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_mu
 scorer_policies=full,oracle,expected_attention,keydiff,kvzip,criticalkv,snapkv,knorm,streaming
 board_policies=full,oracle,kvzip,expected_attention,criticalkv,keydiff,snapkv,streaming,knorm,random,h2o,tova
 
-scorers() {
-    grid model=smollm2-135m task=niah_single_2 task.length=2048 ++task.max_new_tokens=32 limit=20 batch_size=4 \
-        policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/scorers"
+scorer_grid() {  # scorer_grid MODEL LENGTH DOCUMENTS BATCH FOLDER
+    grid model="$1" task=niah_single_2 task.length="$2" ++task.max_new_tokens=32 limit="$3" batch_size="$4" \
+        policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/$5"
 }
-scorers_gemma() {
-    grid model=gemma3-270m task=niah_single_2 task.length=4096 ++task.max_new_tokens=32 limit=10 batch_size=2 \
-        policy=$scorer_policies budget=0.25,0.5,0.75 protocol=context results_dir="$out/scorers_gemma"
-}
+scorers() { scorer_grid smollm2-135m 2048 20 4 scorers; }
+scorers_gemma() { scorer_grid gemma3-270m 4096 10 2 scorers_gemma; }
 full() {
     for task in ${ruler_tasks//,/ }; do
         grid model=smollm2-135m task=$task limit="${FULL_LIMIT:-40}" batch_size=4 policy=full protocol=context \
