@@ -525,6 +525,24 @@ class EvictionCache(Cache):
         finally:
             self.rehearsing = None
 
+    def adopt_rehearsal(self, other: EvictionCache) -> None:
+        """Take the scores ``other``'s extra passes gave its prompt instead of running them: both hold one deferred
+        prompt, the same slots, under policies of one :meth:`~h2o_eval.policies.Policy.rehearsal_identity`
+        (budgets apart), so the passes would score this prompt exactly alike."""
+        if not (self.deferred and other.deferred):
+            raise RuntimeError("extra-pass scores pass between deferred prompts before their compression only")
+        if self.policy.rehearsal_identity() != other.policy.rehearsal_identity():
+            raise ValueError(
+                f"{self.policy.describe()} and {other.policy.describe()} score their prompts differently: only "
+                "caches whose policies differ in budget share their extra passes"
+            )
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            if mine.window is not None:
+                continue
+            if not (torch.equal(mine.held, theirs.held) and torch.equal(mine.position, theirs.position)):
+                raise ValueError("the caches hold different prompts: extra passes are shared by one prompt's caches")
+            mine.rehearsed = None if theirs.rehearsed is None else theirs.rehearsed.clone()
+
     def compress_prompt(self) -> None:
         """Compress a deferred prompt after its extra passes: each layer to its planned C, or to the capacities
         the policy allocates across layers from all their scores (:meth:`~h2o_eval.policies.Policy.allocate`)."""

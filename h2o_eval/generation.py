@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +96,7 @@ def settle(
     ids: torch.Tensor,
     mask: torch.Tensor,
     questions: list[list[int]],
+    siblings: Sequence[EvictionCache] = (),
     **kwargs: Any,
 ) -> None:
     """After a cache's first chunk (``ids``/``mask``, left-padded): a policy that scores its prompt by extra passes
@@ -102,7 +104,9 @@ def settle(
     row's chunk, shorter passes padded at their end) and dropped again, and the prompt is then compressed.
     ``questions``: per row the tokens that follow the chunk (protocol=context), or none. A policy whose passes
     need the full cache's answer (the oracle) has it generated first, greedily like the evaluation (``kwargs``).
-    Nothing to do for any other policy (it compressed its prompt as it came)."""
+    Nothing to do for any other policy (it compressed its prompt as it came). ``siblings``: caches holding the
+    same chunk under the same policy at other budgets; they take the passes' scores
+    (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`) instead of running them, and are compressed too."""
     if not cache.deferred:
         return
     rows = [ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0])]
@@ -131,6 +135,9 @@ def settle(
                 logits_to_keep=1,
                 cache=cache,
             )
+    for sibling in siblings:
+        sibling.adopt_rehearsal(cache)
+        sibling.compress_prompt()
     cache.compress_prompt()
 
 

@@ -8,8 +8,9 @@ The overrides and their comma sweeps are Hydra's, expanded as ``--multirun`` wou
 record ``python -m h2o_eval`` would write for it (same identity, same file; existing records are skipped). Cells
 of a long-context task that differ only in policy, budget and protocol (``prefill`` or ``context``) run together
 in one process: per batch of documents, the prompt (or context), which attends in full whatever the policy, is
-computed once and every cell's cache compresses it by its own policy (the runner's ``evaluate_shared``); each
-cell then generates alone. Loading, timing and record writing are ``python -m h2o_eval``'s own
+computed once and every cell's cache compresses it by its own policy (the runner's ``evaluate_shared``), the
+cells that differ only in budget after one run of their policy's extra passes (KVzip's repeat); each cell then
+generates alone. Loading, timing and record writing are ``python -m h2o_eval``'s own
 (:func:`h2o_eval.run.compute`). The prompt's attention is then the full cache's for every cell, so a cell can differ
 from its separate run by floating-point rounding there, nowhere else. Other cells run one by one.
 """

@@ -92,6 +92,51 @@ def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     assert len(answers) > 2, "the policies should answer differently here, or the test proves little"
 
 
+def test_cells_that_differ_in_budget_run_the_extra_passes_once(data_dir, tmp_path, monkeypatch):
+    """Reference: KVzip's cells run one at a time, each with its own repeat passes; implementation: the cells in
+    one evaluate_shared, where the three that differ only in budget run the passes once (the others take their
+    scores) and a layerwise one, which scores alike but is another policy as built, runs its own. The answers,
+    capacities and kept KV entries are the separate runs'."""
+    from h2o_eval.policies.kvzip import KVzip
+
+    settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 4, "batch_size": 2, "protocol": "context"}
+    settings |= {"task.length": 700, "task.max_new_tokens": 8, "task.questions": 2, "policy": "kvzip"}
+    cells = [{"budget": b} for b in (0.2, 0.4, 0.6)] + [{"budget": 0.4, "policy.layerwise": True}]
+    configs = [validate(make_config(data_dir, tmp_path, **settings, **cell)) for cell in cells]
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
+    passes, counted = [], KVzip.passes
+    monkeypatch.setattr(KVzip, "passes", lambda self, script: passes.append(self) or counted(self, script))
+    shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
+    assert len(passes) == 2 * 2, "one run of the passes per batch for the budgets, one for layerwise"
+    keys = ("id", "prediction", "capacity", "kv_entries", "generated_tokens")
+    for one, together in zip(separate, shared, strict=True):
+        assert [[o[k] for k in keys] for o in together.outputs] == [[o[k] for k in keys] for o in one.outputs]
+        assert together.fields["capacity"] == one.fields["capacity"]
+    # Three budgets keep three cache sizes (layerwise keeps as many as the model-wide selection at 0.4).
+    assert len({tuple(o["kv_entries"] for o in one.outputs) for one in separate}) == 3
+
+
+def test_only_one_prompt_under_one_scoring_shares_extra_passes():
+    """A cache takes another's extra-pass scores only when their policies differ in budget alone and they hold
+    the same prompt; anything else is refused in one line."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+
+    def fed(policy, tokens=ids):
+        cache = EvictionCache(model, policy, protocol="context")
+        with torch.no_grad():
+            model(tokens, cache=cache, use_cache=True)
+        return cache
+
+    first = fed(make_policy("kvzip", 0.5))
+    fed(make_policy("kvzip", 0.25)).adopt_rehearsal(first)
+    with pytest.raises(ValueError, match="differ in budget"):
+        fed(make_policy("kvzip", 0.25, layerwise=True)).adopt_rehearsal(first)
+    with pytest.raises(ValueError, match="different prompts"):
+        fed(make_policy("kvzip", 0.25), ids[:, :30]).adopt_rehearsal(first)
+
+
 def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch, capsys):
     """A sweep through the grid: shareable cells run together, a simulate cell alone, SnapKV's simulate cell is
     refused in one line; each record sits where ``python -m h2o_eval`` looks for it (a run of the same cell

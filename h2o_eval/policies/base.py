@@ -14,6 +14,7 @@ token is always held.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, fields
@@ -244,8 +245,23 @@ class Policy:
 
     def rehearse(self, rehearsal: Rehearsal, scores: torch.Tensor) -> torch.Tensor:
         """The compression scores [B, Hkv, S] after one extra pass, from what it showed the layer and the scores
-        after the earlier passes (``scores``, 0 before the first)."""
+        after the earlier passes (``scores``, 0 before the first). Neither the passes nor their scores may read the
+        budget (:meth:`rehearsal_identity`)."""
         raise NotImplementedError(f"policy {self.name!r} declares passes but does not rehearse them")
+
+    def rehearsal_identity(self) -> str:
+        """What the extra passes and their scores depend on: the policy as built without its budget and rounding,
+        which only choose how many of the scored tokens stay. Caches of one prompt whose policies have one identity
+        can share one run of the passes (:func:`h2o_eval.generation.settle`'s ``siblings``)."""
+
+        def strip(described: dict[str, Any]) -> dict[str, Any]:
+            return {
+                key: strip(value) if isinstance(value, dict) else value
+                for key, value in described.items()
+                if key not in ("budget", "rounding")
+            }
+
+        return json.dumps(strip(self.describe()), sort_keys=True, default=str)
 
     @property
     def needs_answer(self) -> bool:

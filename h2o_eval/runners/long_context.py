@@ -252,12 +252,34 @@ class _Run:
             _row(self.task, p, k, g, self.tokenizer) for (p, k), g in zip(units, generated, strict=True)
         ]
 
+    def _settle(self, caches: dict[int, Any], ids: Any, mask: Any, generation: Any) -> dict[int, float]:
+        """Compress the cells' deferred contexts after their policies' extra passes (not the oracle's, whose passes
+        differ per question): one run of the passes for the cells whose policies differ only in budget
+        (:meth:`~h2o_eval.policies.Policy.rehearsal_identity`), the others taking its scores. Returns each cell's
+        share of the time."""
+        spent = dict.fromkeys(caches, 0.0)
+        together: dict[str, list[int]] = {}
+        for i, cache in caches.items():
+            if cache.deferred and not cache.policy.needs_answer:
+                together.setdefault(cache.policy.rehearsal_identity(), []).append(i)
+        for first, *rest in together.values():
+            began = time.perf_counter()
+            generation.settle(
+                self.model, caches[first], self.tokenizer, ids, mask, [[]] * ids.shape[0],
+                siblings=[caches[j] for j in rest], **self.greedy,
+            )  # fmt: skip
+            share = (time.perf_counter() - began) / (1 + len(rest))
+            for j in (first, *rest):
+                spent[j] = share
+        return spent
+
     def contexts(self, members: list[int], generation: Any) -> None:
         """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and
         compressed; then each question, a group of rows whose questions have one length at a time, is answered
         from a copy of each cell's compressed cache (the cache itself for the last group when it takes every
         row). A policy that scores by extra passes runs them before its compression
-        (:func:`~h2o_eval.generation.settle`); one whose passes need the question and answer (the oracle)
+        (:func:`~h2o_eval.generation.settle`), once for the cells that differ only in budget; one whose passes need
+        the question and answer (the oracle)
         compresses each question's copy for that question."""
         import torch
 
@@ -282,12 +304,9 @@ class _Run:
                 for n in sorted({len(p.question_ids[k]) for p in items if len(p.question_ids) > k})
             ]
             ids, mask = contexts.input_ids, contexts.attention_mask
+            settled = self._settle(caches, ids, mask, generation)
             for i in members:
-                cache, seconds = caches.pop(i), share
-                began = time.perf_counter()
-                if not cache.policy.needs_answer:
-                    generation.settle(self.model, cache, self.tokenizer, ids, mask, [[]] * len(items), **self.greedy)
-                seconds += time.perf_counter() - began
+                cache, seconds = caches.pop(i), share + settled[i]
                 for position, (k, rows) in enumerate(groups):
                     last = position == len(groups) - 1 and len(rows) == len(items)
                     questions = torch.tensor([items[r].question_ids[k] for r in rows], device=self.device)
