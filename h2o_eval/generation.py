@@ -97,13 +97,16 @@ def settle(
     mask: torch.Tensor,
     questions: list[list[int]],
     siblings: Sequence[EvictionCache] = (),
+    answered: dict[Any, list[list[int]]] | None = None,
     **kwargs: Any,
 ) -> None:
     """After a cache's first chunk (``ids``/``mask``, left-padded): a policy that scores its prompt by extra passes
     (:meth:`~h2o_eval.policies.Policy.passes`) runs them now, each fed through the cache (positions after each
     row's chunk, shorter passes padded at their end) and dropped again, and the prompt is then compressed.
     ``questions``: per row the tokens that follow the chunk (protocol=context), or none. A policy whose passes
-    need the full cache's answer (the oracle) has it generated first, greedily like the evaluation (``kwargs``).
+    need the full cache's answer (the oracle) has it generated first, greedily like the evaluation (``kwargs``),
+    once per prompt and settings when the caller keeps the answers in ``answered`` (one dict for the oracle's
+    cells at several budgets: the same prompts, the same answers).
     Nothing to do for any other policy (it compressed its prompt as it came). ``siblings``: caches holding the
     same chunk under the same policy at other budgets; they take the passes' scores
     (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`) instead of running them, and are compressed too."""
@@ -113,10 +116,14 @@ def settle(
     answer = None
     if cache.policy.needs_answer:
         asked = torch.tensor(questions, dtype=ids.dtype, device=ids.device).view(ids.shape[0], -1)
-        answer = answers(
-            model, torch.cat([ids, asked], 1), torch.cat([mask, torch.ones_like(asked, dtype=mask.dtype)], 1),
-            tokenizer, **kwargs,
-        )  # fmt: skip
+        prompt = torch.cat([ids, asked], 1)
+        prompt_mask = torch.cat([mask, torch.ones_like(asked, dtype=mask.dtype)], 1)
+        key = (tuple(prompt.shape), prompt.cpu().numpy().tobytes(), prompt_mask.cpu().numpy().tobytes(), repr(kwargs))
+        answer = None if answered is None else answered.get(key)
+        if answer is None:
+            answer = answers(model, prompt, prompt_mask, tokenizer, **kwargs)
+            if answered is not None:
+                answered[key] = answer
     script = Script(rows, [list(q) for q in questions], answer, tokenizer)
     pad = tokenizer.pad_token_id
     for index, tokens in enumerate(cache.policy.passes(script)):
@@ -141,25 +148,34 @@ def settle(
     cache.compress_prompt()
 
 
-def complete(model: Any, cache: EvictionCache, batch: Batch, tokenizer: Any, **kwargs: Any) -> torch.Tensor:
+def complete(
+    model: Any,
+    cache: EvictionCache,
+    batch: Batch,
+    tokenizer: Any,
+    answered: dict[Any, list[list[int]]] | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     """Generate for a batch through ``cache`` (empty, or already holding the batch's context columns): under
     ``protocol=context`` the context columns are fed first and compressed before the question exists; a policy
     that scores its prompt by extra passes runs them before the compression (:func:`settle`; under ``prefill``
     the prompt's forward also gives the first new token, the rest follows the compression). Returns the sequences
-    (prompt + new tokens)."""
+    (prompt + new tokens). ``answered``: the full cache's answers the oracle's passes need, kept across calls
+    (:func:`settle`)."""
     ids, mask, width = batch.input_ids, batch.attention_mask, batch.context_width
     kwargs = kwargs | {"tokenizer": tokenizer}
     settled = {key: value for key, value in kwargs.items() if key != "tokenizer"}
     if width is not None and width < ids.shape[1]:
         if cache.get_seq_length() == 0:
             feed(model, cache, ids[:, :width], mask[:, :width])
-        settle(model, cache, tokenizer, ids[:, :width], mask[:, :width], ids[:, width:].tolist(), **settled)
+        questions = ids[:, width:].tolist()
+        settle(model, cache, tokenizer, ids[:, :width], mask[:, :width], questions, answered=answered, **settled)
         return decode(model, cache, ids, mask, **kwargs)
     if not cache.deferred:
         return decode(model, cache, ids, mask, **kwargs)
     new = kwargs.get("max_new_tokens") or 1
     first = decode(model, cache, ids, mask, **kwargs | {"max_new_tokens": 1})
-    settle(model, cache, tokenizer, ids, mask, [[] for _ in range(ids.shape[0])], **settled)
+    settle(model, cache, tokenizer, ids, mask, [[] for _ in range(ids.shape[0])], answered=answered, **settled)
     if new == 1:
         return first
     longer = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)

@@ -117,6 +117,29 @@ def test_cells_that_differ_in_budget_run_the_extra_passes_once(data_dir, tmp_pat
     assert len({tuple(o["kv_entries"] for o in one.outputs) for one in separate}) == 3
 
 
+@pytest.mark.parametrize("protocol", ["context", "prefill"])
+def test_the_oracle_at_several_budgets_generates_each_full_answer_once(data_dir, tmp_path, monkeypatch, protocol):
+    """Reference: the oracle's cells run one at a time, each generating the full cache's answers its passes need;
+    implementation: the cells in one evaluate_shared, where each prompt's full answer is generated once. The
+    answers, capacities and kept KV entries are the separate runs'."""
+    from h2o_eval import generation
+
+    settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 4, "batch_size": 2, "protocol": protocol}
+    settings |= {"task.length": 700, "task.max_new_tokens": 8, "task.questions": 2, "policy": "oracle"}
+    configs = [validate(make_config(data_dir, tmp_path, **settings, budget=b)) for b in (0.2, 0.4, 0.6)]
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
+    calls, answers = [], generation.answers
+    monkeypatch.setattr(generation, "answers", lambda *args, **kwargs: calls.append(1) or answers(*args, **kwargs))
+    shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
+    questions = sum(len(o.outputs) for o in separate[:1])
+    assert 0 < len(calls) <= questions, "each batch's prompts answered once, not once per budget"
+    keys = ("id", "prediction", "capacity", "kv_entries", "generated_tokens")
+    for one, together in zip(separate, shared, strict=True):
+        assert [[o[k] for k in keys] for o in together.outputs] == [[o[k] for k in keys] for o in one.outputs]
+    assert len({tuple(o["kv_entries"] for o in one.outputs) for one in separate}) == 3
+
+
 def test_only_one_prompt_under_one_scoring_shares_extra_passes():
     """A cache takes another's extra-pass scores only when their policies differ in budget alone and they hold
     the same prompt; anything else is refused in one line."""

@@ -229,6 +229,9 @@ class _Run:
         self.outputs: list[list[dict[str, Any]]] = [[] for _ in cells]
         self.device = next(model.parameters()).device
         self.progress: Any = None
+        # The full cache's answers the oracle's passes need, per prompt of the current batch: its cells at several
+        # budgets generate each once.
+        self.answered: dict[Any, list[list[int]]] = {}
 
     def _caches(self, members: list[int], protocol: str) -> dict[int, Any]:
         from h2o_eval.cache import EvictionCache
@@ -245,7 +248,7 @@ class _Run:
         from h2o_eval import generation
 
         began = time.perf_counter()
-        sequences = generation.complete(self.model, cache, batch, self.tokenizer, **self.greedy)
+        sequences = generation.complete(self.model, cache, batch, self.tokenizer, self.answered, **self.greedy)
         seconds += time.perf_counter() - began
         generated = self.logs[i].add(batch, sequences, cache, seconds, self.ends)
         self.outputs[i] += [
@@ -288,6 +291,7 @@ class _Run:
         size = self.config["batch_size"]
         for start in range(0, len(self.items), size):
             items = self.items[start : start + size]
+            self.answered = {}
             contexts = generation.make_batch(
                 [p.context_ids for p in items], [[] for _ in items], self.tokenizer.pad_token_id, self.device,
                 split=False,
@@ -333,6 +337,7 @@ class _Run:
         size = self.config["batch_size"]
         for start in range(0, len(units), size):
             chunk = units[start : start + size]
+            self.answered = {}
             batch = generation.make_batch(
                 [p.context_ids for p, _ in chunk], [p.question_ids[k] for p, k in chunk], self.tokenizer.pad_token_id,
                 self.device, split=False,
@@ -359,7 +364,7 @@ class _Run:
                 began = time.perf_counter()
                 generation.settle(
                     self.model, cache, self.tokenizer, batch.input_ids, batch.attention_mask, [[]] * len(chunk),
-                    **self.greedy,
+                    answered=self.answered, **self.greedy,
                 )  # fmt: skip
                 sequences = first
                 if self.task["max_new_tokens"] > 1:
