@@ -18,7 +18,8 @@
 #   floor         h2o, local and snapkv at 25 % on niah_single_2 at 4k (context protocol, the policies' own
 #                 decoding), SmolLM2, 10 documents, against the news-haystack grid's 0.20 floor
 #   leaderboard   +experiment=kv_leaderboard: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe and
-#                 fwe, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe: 20)
+#                 fwe, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe: 20).
+#                 Units of a task and 3 policies; two lanes split them: LANE=0/2 ... leaderboard & LANE=1/2 ...
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard, from RECORDS/<stage>
 set -euo pipefail
 data=${1:-../shared/data}
@@ -30,9 +31,10 @@ export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchang
 grid() { python -m h2o_eval.grid data_dir="$data" wandb.mode=disabled threads=1 "$@"; }
 
 ruler_tasks=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe,qa_1,qa_2
-many_questions=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multikey_3,niah_multivalue,niah_multiquery,vt,qa_1,qa_2
 scorer_policies=full,oracle,expected_attention,keydiff,kvzip,criticalkv,snapkv,knorm,streaming
-board_policies=full,oracle,kvzip,expected_attention,criticalkv,keydiff,snapkv,streaming,knorm,random,h2o,tova
+board_tasks=niah_single_2,niah_single_1,niah_multivalue,niah_multiquery,niah_single_3,niah_multikey_1,fwe,qa_2,vt,qa_1,cwe,niah_multikey_2,niah_multikey_3
+# The leaderboard's 12 policies in 4 groups of about equal cost (KVzip's repeat and the oracle's answers apart).
+board_groups=(full,kvzip,snapkv oracle,streaming,knorm expected_attention,keydiff,h2o criticalkv,random,tova)
 
 scorer_grid() {  # scorer_grid MODEL LENGTH DOCUMENTS BATCH FOLDER
     grid model="$1" task=niah_single_2 task.length="$2" ++task.max_new_tokens=32 limit="$3" batch_size="$4" \
@@ -56,13 +58,21 @@ floor() {
         protocol=context results_dir="$out/floor"
 }
 board() {  # board MODEL HAYSTACKS BATCH: 4 questions per haystack; cwe and fwe (one question) on 4x the documents
-    local model=$1 limit=$2 batch=$3 task
-    for task in ${many_questions//,/ }; do
-        grid +experiment=kv_leaderboard model="$model" task=$task task.questions=4 limit="$limit" batch_size="$batch" \
-            policy=$board_policies results_dir="$out/leaderboard"
+    # One unit is a task and a group of policies (their records are written when the unit ends), the tasks where
+    # the full cache scores highest first; LANE=i/n runs every n-th unit from the i-th.
+    local model=$1 limit=$2 batch=$3 lane=${LANE:-0/1} unit=0 task group
+    for task in ${board_tasks//,/ }; do
+        for group in "${board_groups[@]}"; do
+            if (( unit++ % ${lane#*/} != ${lane%/*} )); then
+                continue
+            fi
+            case $task in
+                cwe | fwe) set -- task=$task limit=$((4 * limit)) batch_size=$((2 * batch)) ;;
+                *) set -- task=$task task.questions=4 limit="$limit" batch_size="$batch" ;;
+            esac
+            grid +experiment=kv_leaderboard model="$model" "$@" policy="$group" results_dir="$out/leaderboard"
+        done
     done
-    grid +experiment=kv_leaderboard model="$model" task=cwe,fwe limit=$((4 * limit)) batch_size=$((2 * batch)) \
-        policy=$board_policies results_dir="$out/leaderboard"
 }
 leaderboard() {
     board smollm2-135m 10 2
