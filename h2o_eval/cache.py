@@ -209,11 +209,12 @@ class EvictionLayer(CacheLayerMixin):
         return slot
 
     def attend(
-        self, module, query, key, value, attention_mask, scaling, output: bool = True, hidden_states=None
+        self, module, query, key, value, attention_mask, scaling, output: bool = True, hidden_states=None, votes=None
     ) -> torch.Tensor | None:
         """This layer's attention for the chunk ``update`` just took, and the cache state after it. Without
         ``output`` (a :class:`SharedPrompt` pass, which computes the prompt's attention once) only the state is
-        computed, and None returned. ``hidden_states``: the attention module's input (a scorer may read it)."""
+        computed, and None returned. ``hidden_states``: the attention module's input (a scorer may read it).
+        ``votes``: the prompt votes the other caches of that pass computed (:attr:`~h2o_eval.eviction.Chunk.votes`)."""
         self.pending = None
         owner = self.owner
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
@@ -296,6 +297,7 @@ class EvictionLayer(CacheLayerMixin):
             scaling=scaling,
             output=output,
             rescore=rescore,
+            votes=votes,
         )
         result = owner.kernel(query, key, value, chunk)
         self.plan["capacity"] = result.capacity
@@ -690,8 +692,12 @@ class SharedPromptLayer(CacheLayerMixin):
         return [layer.update(key_states, value_states) for layer in self.layers][0]
 
     def attend(self, module, query, key, value, attention_mask, scaling, hidden_states=None) -> torch.Tensor:
+        votes: list = []  # prompt votes the caches' rules weigh alike are computed once (Chunk.votes)
         for layer in self.layers:
-            layer.attend(module, query, key, value, attention_mask, scaling, output=False, hidden_states=hidden_states)
+            layer.attend(
+                module, query, key, value, attention_mask, scaling, output=False, hidden_states=hidden_states,
+                votes=votes,
+            )  # fmt: skip
         return plain_attention(module, query, key, value, attention_mask, scaling)
 
     def check_attended(self) -> None:

@@ -61,6 +61,9 @@ class Chunk:
     they then only vote, and their output is left zero.
     rescore: when the prompt is compressed, the policy's own scores from its pooled ones: ``rescore(scores,
     protected)`` with scores and the protected tokens [B, Hkv, N] -> scores [B, Hkv, N] (None: as they are).
+    votes: the prompt votes already computed from the same query, keys and values (one :class:`SharedPrompt`
+    layer's pass), as (row weights, rows, votes); a chunk without output whose weights and rows are one of these
+    takes its votes instead of computing them, and adds its own (None: no sharing).
     """
 
     held: torch.Tensor
@@ -75,6 +78,7 @@ class Chunk:
     scaling: float
     output: bool = True
     rescore: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    votes: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -355,12 +359,18 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
             else None
         )
     else:
-        if triton:
+        shared = chunk.votes if not chunk.output else None
+        known = [a for w, r, a in shared or () if torch.equal(w, weights) and torch.equal(r, rows)]
+        if known:
+            output, attention = None, known[0]
+        elif triton:
             from h2o_eval.kernels.column_scores import column_scores
 
             output, attention = column_scores(q, k, v, rows, weights, chunk.scaling)
         else:
             output, attention = column_scores_reference(q, k, v, rows, weights, chunk.scaling, output=chunk.output)
+        if shared is not None and not known:
+            shared.append((weights, rows, attention))
         attention = share_votes(attention, rule)
         if rule.combine == Combine.REPLACE:
             scores[..., :last] = torch.where(rows.unsqueeze(1), attention, scores[..., :last])

@@ -65,6 +65,35 @@ def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
     assert evicted > 0
 
 
+def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkeypatch):
+    """Reference: each cache fed through a SharedPrompt of its own, computing its prompt's votes; implementation:
+    H2O at three budgets and TOVA in one SharedPrompt, where H2O's votes (every prompt row weighed alike) are
+    computed once per layer and TOVA's (its last row only) once more. Every cache's held slots and scores are
+    exactly the reference's."""
+    from h2o_eval import eviction
+
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(5, model.config.vocab_size, (2, 120), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    policies = [make_policy("h2o", b) for b in (0.2, 0.4, 0.6)] + [make_policy("tova", 0.3)]
+
+    def fed(group):
+        caches = [EvictionCache(model, p, protocol="context") for p in group]
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=SharedPrompt(caches), use_cache=True)
+        return caches
+
+    alone = [fed([p])[0] for p in policies]
+    calls, computed = [], eviction.column_scores_reference
+    monkeypatch.setattr(eviction, "column_scores_reference", lambda *a, **k: calls.append(1) or computed(*a, **k))
+    together = fed(policies)
+    assert len(calls) == 2 * model.config.num_hidden_layers
+    for one, other in zip(alone, together, strict=True):
+        for a, b in zip(one.layers, other.layers, strict=True):
+            assert torch.equal(a.held, b.held) and torch.equal(a.scores, b.scores)
+
+
 def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     """Reference: the long-context runner's evaluate, one cell at a time; implementation: evaluate_shared over all
     the cells, in both protocols, batches of 3 documents of 2 questions (whose lengths differ, so the context protocol
