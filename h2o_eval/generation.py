@@ -103,13 +103,13 @@ def settle(
     """After a cache's first chunk (``ids``/``mask``, left-padded): a policy that scores its prompt by extra passes
     (:meth:`~h2o_eval.policies.Policy.passes`) runs them now, each fed through the cache (positions after each
     row's chunk, shorter passes padded at their end) and dropped again, and the prompt is then compressed.
-    ``questions``: per row the tokens that follow the chunk (protocol=context), or none. A policy whose passes
-    need the full cache's answer (the oracle) has it generated first, greedily like the evaluation (``kwargs``),
-    once per prompt and settings when the caller keeps the answers in ``answered`` (one dict for the oracle's
-    cells at several budgets: the same prompts, the same answers).
-    Nothing to do for any other policy (it compressed its prompt as it came). ``siblings``: caches holding the
-    same chunk under the same policy at other budgets; they take the passes' scores
-    (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`) instead of running them, and are compressed too."""
+    Nothing to do for any other policy (it compressed its prompt as it came). ``questions``: per row the tokens
+    that follow the chunk (protocol=context), or none. A policy whose passes need the full cache's answer (the
+    oracle) has it generated first, greedily like the evaluation (``kwargs``), once per prompt and settings when
+    the caller keeps the answers in ``answered`` (one dict for the oracle's cells at several budgets: the same
+    prompts, the same answers). ``siblings``: caches holding the same chunk under the same policy at other
+    budgets; they take the passes' scores (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`) instead of
+    running them, and are compressed too."""
     if not cache.deferred:
         return
     rows = [ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0])]

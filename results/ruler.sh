@@ -61,16 +61,16 @@ board() {  # board MODEL HAYSTACKS BATCH: 4 questions per haystack; cwe and fwe 
     # One unit is a task and a group of policies (their records are written when the unit ends), the tasks where
     # the full cache scores highest first; LANE=i/n runs every n-th unit from the i-th.
     local model=$1 limit=$2 batch=$3 lane=${LANE:-0/1} unit=0 task group
+    local -a size
     for task in ${board_tasks//,/ }; do
+        case $task in
+            cwe | fwe) size=(limit=$((4 * limit)) batch_size=$((2 * batch))) ;;
+            *) size=(task.questions=4 limit="$limit" batch_size="$batch") ;;
+        esac
         for group in "${board_groups[@]}"; do
-            if (( unit++ % ${lane#*/} != ${lane%/*} )); then
-                continue
-            fi
-            case $task in
-                cwe | fwe) set -- task=$task limit=$((4 * limit)) batch_size=$((2 * batch)) ;;
-                *) set -- task=$task task.questions=4 limit="$limit" batch_size="$batch" ;;
-            esac
-            grid +experiment=kv_leaderboard model="$model" "$@" policy="$group" results_dir="$out/leaderboard"
+            (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
+            grid +experiment=kv_leaderboard model="$model" task="$task" "${size[@]}" policy="$group" \
+                results_dir="$out/leaderboard"
         done
     done
 }

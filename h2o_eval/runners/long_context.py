@@ -282,8 +282,7 @@ class _Run:
         from a copy of each cell's compressed cache (the cache itself for the last group when it takes every
         row). A policy that scores by extra passes runs them before its compression
         (:func:`~h2o_eval.generation.settle`), once for the cells that differ only in budget; one whose passes need
-        the question and answer (the oracle)
-        compresses each question's copy for that question."""
+        the question and answer (the oracle) compresses each question's copy for that question."""
         import torch
 
         from h2o_eval.cache import SharedPrompt
