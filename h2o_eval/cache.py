@@ -209,12 +209,23 @@ class EvictionLayer(CacheLayerMixin):
         return slot
 
     def attend(
-        self, module, query, key, value, attention_mask, scaling, output: bool = True, hidden_states=None, votes=None
+        self,
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling,
+        output: bool = True,
+        hidden_states=None,
+        votes=None,
+        shared=None,
     ) -> torch.Tensor | None:
         """This layer's attention for the chunk ``update`` just took, and the cache state after it. Without
         ``output`` (a :class:`SharedPrompt` pass, which computes the prompt's attention once) only the state is
         computed, and None returned. ``hidden_states``: the attention module's input (a scorer may read it).
-        ``votes``: the prompt votes the other caches of that pass computed (:attr:`~h2o_eval.eviction.Chunk.votes`)."""
+        ``votes``: the prompt votes the other caches of that pass computed (:attr:`~h2o_eval.eviction.Chunk.votes`);
+        ``shared``: what their scorers computed of the prompt (:meth:`~h2o_eval.policies.inputs.Prompt.once`)."""
         self.pending = None
         owner = self.owner
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
@@ -278,6 +289,7 @@ class EvictionLayer(CacheLayerMixin):
                 hidden_states=hidden_states,
                 rotary=owner.rotary_of(self.layer_idx),
                 scaling=scaling,
+                shared=shared,
             )
 
             def rescore(scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
@@ -693,10 +705,11 @@ class SharedPromptLayer(CacheLayerMixin):
 
     def attend(self, module, query, key, value, attention_mask, scaling, hidden_states=None) -> torch.Tensor:
         votes: list = []  # prompt votes the caches' rules weigh alike are computed once (Chunk.votes)
+        shared: dict = {}  # and what their scorers compute of the prompt alone (Prompt.once)
         for layer in self.layers:
             layer.attend(
                 module, query, key, value, attention_mask, scaling, output=False, hidden_states=hidden_states,
-                votes=votes,
+                votes=votes, shared=shared,
             )  # fmt: skip
         return plain_attention(module, query, key, value, attention_mask, scaling)
 

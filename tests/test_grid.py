@@ -65,6 +65,14 @@ def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
     assert evicted > 0
 
 
+def fed(model, ids, mask, policies):
+    """Context-protocol caches of ``policies`` after one SharedPrompt pass of the left-padded ``ids``."""
+    caches = [EvictionCache(model, p, protocol="context") for p in policies]
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=SharedPrompt(caches), use_cache=True)
+    return caches
+
+
 def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkeypatch):
     """Reference: each cache fed through a SharedPrompt of its own, computing its prompt's votes; implementation:
     H2O at three budgets and TOVA in one SharedPrompt, where H2O's votes (every prompt row weighed alike) are
@@ -78,20 +86,43 @@ def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkey
     mask[1, :9] = 0
     policies = [make_policy("h2o", b) for b in (0.2, 0.4, 0.6)] + [make_policy("tova", 0.3)]
 
-    def fed(group):
-        caches = [EvictionCache(model, p, protocol="context") for p in group]
-        with torch.no_grad():
-            model(ids, attention_mask=mask, cache=SharedPrompt(caches), use_cache=True)
-        return caches
-
-    alone = [fed([p])[0] for p in policies]
+    alone = [fed(model, ids, mask, [p])[0] for p in policies]
     calls, computed = [], eviction.column_scores_reference
     monkeypatch.setattr(eviction, "column_scores_reference", lambda *a, **k: calls.append(1) or computed(*a, **k))
-    together = fed(policies)
+    together = fed(model, ids, mask, policies)
     assert len(calls) == 2 * model.config.num_hidden_layers
     for one, other in zip(alone, together, strict=True):
         for a, b in zip(one.layers, other.layers, strict=True):
             assert torch.equal(a.held, b.held) and torch.equal(a.scores, b.scores)
+
+
+def test_policies_at_several_budgets_score_a_shared_prompt_once(monkeypatch):
+    """Reference: each cache fed through a SharedPrompt of its own; implementation: Expected Attention at three
+    budgets and CriticalKV (whose base is Expected Attention without the value norm) at two, in one SharedPrompt,
+    the second row left-padded. Per layer, Expected Attention's scores are computed once per parameter set (2) and
+    CriticalKV's projected value norms once; every cache's held slots and scores are exactly the reference's."""
+    from h2o_eval.policies import criticalkv
+    from h2o_eval.policies.expected_attention import ExpectedAttention
+
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(5, model.config.vocab_size, (2, 120), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    policies = [make_policy("expected_attention", b) for b in (0.2, 0.4, 0.6)]
+    policies += [make_policy("criticalkv", b) for b in (0.3, 0.5)]
+
+    alone = [fed(model, ids, mask, [p])[0] for p in policies]
+    expected, norms = [], []
+    scorer, projected = ExpectedAttention._expected, criticalkv.projected_value_norm
+    monkeypatch.setattr(ExpectedAttention, "_expected", lambda *a: expected.append(1) or scorer(*a))
+    monkeypatch.setattr(criticalkv, "projected_value_norm", lambda *a: norms.append(1) or projected(*a))
+    together = fed(model, ids, mask, policies)
+    layers = model.config.num_hidden_layers
+    assert (len(expected), len(norms)) == (2 * layers, layers)
+    for one, other in zip(alone, together, strict=True):
+        for a, b in zip(one.layers, other.layers, strict=True):
+            assert torch.equal(a.held, b.held) and torch.equal(a.scores, b.scores)
+            assert int(b.held.sum()) < int(mask.sum()) * b.held.shape[1]  # the prompt was compressed
 
 
 def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):

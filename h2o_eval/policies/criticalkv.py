@@ -73,5 +73,5 @@ class CriticalKV(Wrapper):
         order = ranked.argsort(dim=-1, descending=True, stable=True)
         chosen = torch.zeros_like(real).scatter(-1, order, torch.arange(order.shape[-1], device=order.device)
                                                 .expand_as(order) < first.unsqueeze(-1))  # fmt: skip
-        reweighted = (base + self.epsilon) * projected_value_norm(prompt)
+        reweighted = (base + self.epsilon) * prompt.once("projected_value_norm", lambda: projected_value_norm(prompt))
         return reweighted.masked_fill(chosen & real, torch.finfo(torch.float32).max)

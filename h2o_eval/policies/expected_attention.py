@@ -71,6 +71,10 @@ class ExpectedAttention(Policy):
         return Plan(capacity=capacity, recent=0, sinks=min(self.n_sink, capacity))
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        return prompt.once(f"expected_attention {self.rehearsal_identity()}", lambda: self._expected(prompt))
+
+    def _expected(self, prompt: Prompt) -> torch.Tensor:
+        """[B, Hkv, n] each prompt token's expected attention (with ``use_vnorm``, times its value's norm)."""
         queries = prompt.prerope_query().float()
         keys, values = prompt.key.float(), prompt.value.float()
         batch, kv_heads, n, dim = keys.shape

@@ -60,6 +60,8 @@ class Prompt:
         rotary: ``rotary(positions)`` for positions [m] gives (cos, sin) [m, D] of this layer's rotary embedding;
             None for a model without one.
         scaling: the attention's logit scale.
+        shared: what the scorers of the other caches fed this prompt in one :class:`~h2o_eval.cache.SharedPrompt`
+            layer pass computed (:meth:`once`); None outside such a pass.
     """
 
     module: torch.nn.Module
@@ -73,6 +75,7 @@ class Prompt:
     hidden_states: torch.Tensor | None
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None
     scaling: float
+    shared: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def group(self) -> int:
@@ -91,6 +94,18 @@ class Prompt:
     def output_projection(self) -> torch.Tensor:
         """W_O per query head [Hq, D, hidden]."""
         return output_projection(self.module, self.query.shape[1], self.query.shape[-1])
+
+    def once(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``compute()``, a function of this prompt alone (not of the capacity), computed once per
+        :class:`~h2o_eval.cache.SharedPrompt` layer pass for the caches whose prompts have the same real tokens (a
+        policy at several budgets scores the prompt once). ``key`` names the computation and everything it depends on
+        besides the prompt; each caller gets its own copy."""
+        if self.shared is None:
+            return compute()
+        known = self.shared.get(key)
+        if known is None or not torch.equal(known[0], self.real):
+            known = self.shared[key] = (self.real, compute())
+        return known[1].clone()
 
 
 @dataclass
