@@ -20,7 +20,8 @@
 #   leaderboard   +experiment=kv_leaderboard: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe and
 #                 fwe, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe: 20).
 #                 Units of a task and 3 policies; two lanes split them: LANE=0/2 ... leaderboard & LANE=1/2 ...
-#   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard, from RECORDS/<stage>
+#   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
+#                 leaderboard/tasks), from RECORDS/<stage>
 set -euo pipefail
 data=${1:-../shared/data}
 out=${2:-results/ruler/records}
@@ -86,7 +87,9 @@ tables() {
             scorers | scorers_gemma) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 0.5 0.75 ;;
             floor) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 ;;
             full) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" ;;
-            leaderboard) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --leaderboard ;;
+            leaderboard)  # and per task: its figure, every cell's score, each policy paired against the full cache
+                python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --leaderboard
+                python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder/tasks" ;;
         esac
     done
 }
