@@ -43,7 +43,7 @@ from h2o_eval.eviction import (
     claim_slot,
     compress,
 )
-from h2o_eval.policies import UNBOUNDED, Policy, check_decoding, check_kernels, check_protocol
+from h2o_eval.policies import UNBOUNDED, Full, Policy, check_decoding, check_kernels, check_protocol
 from h2o_eval.policies.base import DecodeVote
 from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
 
@@ -579,6 +579,26 @@ class EvictionCache(Cache):
         clone.length = clone.lengths
         clone.prompt = None if self.prompt is None else [self.prompt[r] for r in rows]
         clone.layers = [layer.fork(clone, index) for layer in self.layers]
+        return clone
+
+    def full_copy(self) -> EvictionCache:
+        """A copy of this cache as the full cache would be after the same forwards: made between a deferred
+        prompt and its compression, while every token fed is held in its own position, it holds them all under
+        :class:`~h2o_eval.policies.Full` (nothing ever evicted), exactly as a full cache fed alongside holds them.
+        What it then generates is that full cache's answer, without feeding the prompt again."""
+        if not self.deferred or self.rehearsing is not None or any(layer.moved for layer in self.layers):
+            raise RuntimeError("a full copy is made of a deferred prompt before its extra passes and compression only")
+        policy = Full()
+        clone = copy.copy(self)
+        clone.policy, clone.deferred, clone.script = policy, False, None
+        clone.rule = dataclasses.replace(policy.rule, grows=True) if self.decoding == "grow" else policy.rule
+        rows = torch.arange(len(self.lengths))
+        clone.layers = [layer.fork(clone, rows) for layer in self.layers]
+        for layer in clone.layers:
+            if layer.plan is not None:
+                kv_heads, device = layer.held.shape[1], layer.held.device
+                layer.plan = plan_tensors(policy, self.lengths, layer.layer_idx, self.num_layers, kv_heads, device)
+                layer.unbounded = True
         return clone
 
     def eviction_layer(self, layer: int) -> EvictionLayer:

@@ -105,11 +105,13 @@ def settle(
     row's chunk, shorter passes padded at their end) and dropped again, and the prompt is then compressed.
     Nothing to do for any other policy (it compressed its prompt as it came). ``questions``: per row the tokens
     that follow the chunk (protocol=context), or none. A policy whose passes need the full cache's answer (the
-    oracle) has it generated first, greedily like the evaluation (``kwargs``), once per prompt and settings when
-    the caller keeps the answers in ``answered`` (one dict for the oracle's cells at several budgets: the same
-    prompts, the same answers). ``siblings``: caches holding the same chunk under the same policy at other
-    budgets; they take the passes' scores (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`) instead of
-    running them, and are compressed too."""
+    oracle) has it generated first, greedily like the evaluation (``kwargs``): under ``protocol=context`` from a
+    copy of the cache, which still holds the whole context (:meth:`~h2o_eval.cache.EvictionCache.full_copy`), so
+    the answer is exactly the full cache's in the same evaluation; under ``prefill`` by a full cache fed the
+    prompt. It is generated once per prompt and settings when the caller keeps the answers in ``answered`` (one
+    dict for the oracle's cells at several budgets: the same prompts, the same answers). ``siblings``: caches
+    holding the same chunk under the same policy at other budgets; they take the passes' scores
+    (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`) instead of running them, and are compressed too."""
     if not cache.deferred:
         return
     rows = [ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0])]
@@ -120,10 +122,13 @@ def settle(
         prompt_mask = torch.cat([mask, torch.ones_like(asked, dtype=mask.dtype)], 1)
         key = (tuple(prompt.shape), prompt.cpu().numpy().tobytes(), prompt_mask.cpu().numpy().tobytes(), repr(kwargs))
         answer = None if answered is None else answered.get(key)
-        if answer is None:
+        if answer is None and cache.protocol == "context":  # the full cache's state after this context: a copy
+            full = decode(model, cache.full_copy(), prompt, prompt_mask, tokenizer=tokenizer, **kwargs)
+            answer = new_tokens(full, prompt.shape[1], end_tokens(tokenizer))
+        elif answer is None:
             answer = answers(model, prompt, prompt_mask, tokenizer, **kwargs)
-            if answered is not None:
-                answered[key] = answer
+        if answered is not None:
+            answered[key] = answer
     script = Script(rows, [list(q) for q in questions], answer, tokenizer)
     pad = tokenizer.pad_token_id
     for index, tokens in enumerate(cache.policy.passes(script)):

@@ -189,8 +189,10 @@ def test_the_oracle_at_several_budgets_generates_each_full_answer_once(data_dir,
     configs = [validate(make_config(data_dir, tmp_path, **settings, budget=b)) for b in (0.2, 0.4, 0.6)]
     model, tokenizer = load_model("tiny-llama", device="cpu")
     separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
-    calls, answers = [], generation.answers
-    monkeypatch.setattr(generation, "answers", lambda *args, **kwargs: calls.append(1) or answers(*args, **kwargs))
+    # The full answers: under context from a copy of the cache's context, under prefill by feeding the prompt.
+    owner, name = (EvictionCache, "full_copy") if protocol == "context" else (generation, "answers")
+    calls, answering = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *args, **kwargs: calls.append(1) or answering(*args, **kwargs))
     shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
     questions = sum(len(o.outputs) for o in separate[:1])
     assert 0 < len(calls) <= questions, "each batch's prompts answered once, not once per budget"
@@ -198,6 +200,39 @@ def test_the_oracle_at_several_budgets_generates_each_full_answer_once(data_dir,
     for one, together in zip(separate, shared, strict=True):
         assert [[o[k] for k in keys] for o in together.outputs] == [[o[k] for k in keys] for o in one.outputs]
     assert len({tuple(o["kv_entries"] for o in one.outputs) for one in separate}) == 3
+
+
+@pytest.mark.parametrize("decoding", ["grow", "evict"])
+def test_the_oracles_full_answers_under_context_are_the_full_caches_from_a_copy(monkeypatch, decoding):
+    """Reference: a full cache fed the (left-padded) context, then answering the questions, as the ``full`` cell
+    does; implementation: the oracle's cache fed the same context, whose full answers come from a copy of it
+    (``EvictionCache.full_copy``), the context never fed again. The copy holds what the full cache holds, and the
+    answers are the same tokens."""
+    from h2o_eval import generation
+    from h2o_eval.policies import Full
+
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(5, model.config.vocab_size, (2, 90), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    questions = torch.randint(5, model.config.vocab_size, (2, 7), generator=generator)
+    batch = generation.Batch(torch.cat([ids, questions], 1), torch.cat([mask, torch.ones_like(questions)], 1), 90)
+    greedy = {"max_new_tokens": 12, "do_sample": False}
+    full = EvictionCache(model, Full(), protocol="context", decoding=decoding)
+    oracle = EvictionCache(model, make_policy("oracle", 0.3), protocol="context", decoding=decoding)
+    for cache in (full, oracle):
+        generation.feed(model, cache, ids, mask)
+    for a, b in zip(full.layers, oracle.full_copy().layers, strict=True):
+        assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("keys", "values", "held", "position"))
+        assert torch.equal(a.plan["capacity"], b.plan["capacity"]) and a.unbounded and b.unbounded
+    sequences = generation.complete(model, full, batch, tokenizer, **greedy)
+    expected = generation.new_tokens(sequences, batch.input_ids.shape[1], generation.end_tokens(tokenizer))
+    assert all(len(answer) > 3 for answer in expected) and expected[0] != expected[1]
+    monkeypatch.setattr(generation, "answers", lambda *args, **kwargs: pytest.fail("the context was fed again"))
+    answered = {}
+    generation.complete(model, oracle, batch, tokenizer, answered, **greedy)
+    assert list(answered.values()) == [expected]
 
 
 def test_only_one_prompt_under_one_scoring_shares_extra_passes():

@@ -14,7 +14,8 @@ class Oracle(Policy):
     """The ceiling of compressing a prompt once: keep the tokens the queries that will read the compressed cache
     attend to most. Not deployable: it reads the future.
 
-    For each sequence the full cache first generates the answer (greedily, as the evaluation does); then, in an
+    For each sequence the full cache first generates the answer (greedily, as the evaluation does; under
+    ``protocol=context`` from a copy of the uncompressed context, so exactly the full cache's answer); then, in an
     extra pass fed after the prompt and dropped again, the question (``protocol=context``: it follows the
     compressed context) and that answer, teacher-forced, attend with the full cache; each prompt token's score is
     the attention those queries give it, summed over the queries and the KV head's query heads. The prompt is then
