@@ -431,6 +431,32 @@ class EvictionLayer(CacheLayerMixin):
             layer.plan = {key: value.index_select(0, rows.to(value.device)).clone() for key, value in self.plan.items()}
         return layer
 
+    @staticmethod
+    def stack(owner: EvictionCache, layers: list[EvictionLayer]) -> EvictionLayer:
+        """Layers of several caches as one (see :meth:`EvictionCache.stack`): their sequences in order, slots
+        padded to the fullest layer's with slots not held, nothing to evict ever again."""
+        first = layers[0]
+        if any(layer.pending is not None or layer.slot is not None for layer in layers):
+            raise RuntimeError("caches are stacked between forwards only")
+        layer = EvictionLayer(owner, first.layer_idx, first.window)
+        layer.seen, layer.is_initialized = first.seen, True
+        size = max(one.keys.shape[2] for one in layers)
+        for name in ("keys", "values", "held", "position", "scores"):
+            parts = [getattr(one, name) for one in layers]
+            if first.window is None:  # a sliding layer holds the same last tokens (and no positions or scores)
+                parts = [torch.cat([p, p.new_zeros(*p.shape[:2], size - p.shape[2], *p.shape[3:])], 2) for p in parts]
+            setattr(layer, name, torch.cat(parts))
+        layer.real_seen = torch.cat([one.real_seen for one in layers])
+        if first.window is None:
+            layer.moved, layer.unbounded = True, True
+            rows, kv_heads = layer.held.shape[:2]
+            layer.plan = {
+                "capacity": torch.full((rows, kv_heads), UNBOUNDED, dtype=torch.int64, device=layer.held.device),
+                "recent": torch.cat([one.plan["recent"] for one in layers]),
+                "sinks": torch.cat([one.plan["sinks"] for one in layers]),
+            }
+        return layer
+
     def realised(self, lengths: torch.Tensor) -> torch.Tensor:
         """[B, Hkv] the capacity this layer realised per sequence and KV head, at most the length the budget
         applied to: the tokens kept when the prompt was compressed (or the plan's C); a sliding layer that keeps
@@ -600,6 +626,36 @@ class EvictionCache(Cache):
                 layer.plan = plan_tensors(policy, self.lengths, layer.layer_idx, self.num_layers, kv_heads, device)
                 layer.unbounded = True
         return clone
+
+    @classmethod
+    def stack(cls, caches: list[EvictionCache]) -> EvictionCache:
+        """One cache whose sequences are those of ``caches`` in order, for feeding them the same tokens in one
+        batch: compressed caches of one model under ``decoding=grow`` (each holding its own slots of the same
+        tokens fed), which evict nothing any more whatever their policies, so each sequence attends to what its
+        own cache holds, as it would alone. A layer's slots are padded to the fullest cache's with slots that
+        are not held; every slot then is attended through the held mask (sliding layers, which hold the same
+        last tokens in every cache, attend by the model's mask as before). The inputs are left as they were."""
+        first = caches[0]
+        if any(c.decoding != "grow" or c.deferred or c.protocol == "simulate" for c in caches):
+            raise ValueError("only compressed caches under decoding=grow (which evict nothing more) are stacked")
+        if len({tuple(layer.seen for layer in c.layers) for c in caches}) != 1:
+            raise ValueError("the caches have seen different tokens: only caches fed the same tokens are stacked")
+        policy = Full()
+        stacked = copy.copy(first)
+        stacked.policy, stacked.script, stacked.peak_entries = policy, None, 0
+        stacked.rule = dataclasses.replace(policy.rule, grows=True)
+        stacked.lengths = [length for c in caches for length in c.lengths]
+        stacked.length = stacked.lengths
+        stacked.prompt = None if first.prompt is None else [p for c in caches for p in c.prompt]
+        stacked.layers = [EvictionLayer.stack(stacked, [c.layers[i] for c in caches]) for i in range(len(first.layers))]
+        return stacked
+
+    def grown_peak(self, fed: int) -> int:
+        """The peak entries of this compressed cache under ``decoding=grow`` once ``fed`` more tokens per sequence
+        were fed: every one takes a new slot in each layer that is not sliding (a sliding layer never holds more
+        than it held already)."""
+        most = max(int(layer.held.sum(-1).max()) for layer in self.layers if layer.window is None)
+        return max(self.peak_entries, most + fed)
 
     def eviction_layer(self, layer: int) -> EvictionLayer:
         """The layer an attention call of ``layer`` attends through (see :mod:`h2o_eval.attention`)."""

@@ -24,7 +24,17 @@ SCHEMA_VERSION = 1
 VERSIONED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-core", "h2o_eval")
 # Settings that change where a run is written or how it is reported, never its numbers. The data's folder is
 # not identity, its content is (``data`` in :func:`identity`).
-NOT_IDENTITY = ("results_dir", "overwrite", "wandb", "batch_size", "device", "data_dir", "kernels", "threads")
+NOT_IDENTITY = (
+    "results_dir",
+    "overwrite",
+    "wandb",
+    "batch_size",
+    "stack_cells",
+    "device",
+    "data_dir",
+    "kernels",
+    "threads",
+)
 # What every record holds and the plot reads; a JSON file without these is not a record.
 RECORD_KEYS = (
     "model",

@@ -47,12 +47,20 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"num_fewshot={num_fewshot!r}: use an integer >= 0")
     if not _is_int(config["batch_size"]) or config["batch_size"] < 1:
         raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
+    stack = config["stack_cells"]
+    if not isinstance(stack, bool):
+        raise ConfigError(f"stack_cells={stack!r}: use true or false")
+    protocol = config["protocol"] or runner.default_protocol(task)
+    if stack and (runner.name != "long_context" or protocol != "context" or config["decoding"] != "grow"):
+        raise ConfigError(
+            "stack_cells=true answers the cells of a RULER-style task together under protocol=context decoding=grow "
+            "only: set those, or stack_cells=false"
+        )
     if not _is_int(config["seed"]):
         raise ConfigError(f"seed={config['seed']!r}: use an integer")
     threads = default_threads(None) if config["threads"] is None else config["threads"]
     if not _is_int(threads) or threads < 1:
         raise ConfigError(f"threads={threads!r}: use an integer >= 1, or null for the cores this job may use")
-    protocol = config["protocol"] or runner.default_protocol(task)
     if (reason := runner.refusal(task, policy)) is not None:
         raise ConfigError(f"policy={policy.name} {reason}")
     check_protocol(policy, protocol, config["kernels"])

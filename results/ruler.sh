@@ -58,10 +58,11 @@ floor() {
     grid model=smollm2-135m task=niah_single_2 limit=10 batch_size=4 policy=full,h2o,local,snapkv budget=0.25 \
         protocol=context results_dir="$out/floor"
 }
-board() {  # board MODEL HAYSTACKS BATCH: 4 questions per haystack; cwe and fwe (one question) on 4x the documents
-    # One unit is a task and a group of policies (their records are written when the unit ends), the tasks where
-    # the full cache scores highest first; LANE=i/n runs every n-th unit from the i-th.
+board() {  # board MODEL HAYSTACKS BATCH [OVERRIDE...]: 4 questions per haystack; cwe and fwe (one question) on 4x
+    # the documents. One unit is a task and a group of policies (their records are written when the unit ends), the
+    # tasks where the full cache scores highest first; LANE=i/n runs every n-th unit from the i-th.
     local model=$1 limit=$2 batch=$3 lane=${LANE:-0/1} unit=0 task group
+    shift 3
     local -a size
     for task in ${board_tasks//,/ }; do
         case $task in
@@ -71,13 +72,13 @@ board() {  # board MODEL HAYSTACKS BATCH: 4 questions per haystack; cwe and fwe 
         for group in "${board_groups[@]}"; do
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
             grid +experiment=kv_leaderboard model="$model" task="$task" "${size[@]}" policy="$group" \
-                results_dir="$out/leaderboard"
+                results_dir="$out/leaderboard" "$@"
         done
     done
 }
 leaderboard() {
     board smollm2-135m 10 2
-    board gemma3-270m 5 1
+    board gemma3-270m 5 1 stack_cells=true  # its answers run to 128 tokens: the cells decode together
 }
 tables() {
     local folder

@@ -308,21 +308,55 @@ class _Run:
             ]
             ids, mask = contexts.input_ids, contexts.attention_mask
             settled = self._settle(caches, ids, mask, generation)
-            for i in members:
+            batches = []
+            for k, rows in groups:
+                questions = torch.tensor([items[r].question_ids[k] for r in rows], device=self.device)
+                kept = mask[rows]
+                batch = generation.Batch(
+                    torch.cat([ids[rows], questions], dim=1),
+                    torch.cat([kept, kept.new_ones(questions.shape)], dim=1),
+                    contexts.input_ids.shape[1],
+                )
+                batches.append((rows, batch, [(items[r], k) for r in rows]))
+            together = [i for i in members if not caches[i].policy.needs_answer] if self.config["stack_cells"] else []
+            if len(together) > 1:
+                self._answer_together({i: caches.pop(i) for i in together}, batches, share, settled)
+            for i in [i for i in members if i in caches]:
                 cache, seconds = caches.pop(i), share + settled[i]
-                for position, (k, rows) in enumerate(groups):
-                    last = position == len(groups) - 1 and len(rows) == len(items)
-                    questions = torch.tensor([items[r].question_ids[k] for r in rows], device=self.device)
-                    kept = mask[rows]
-                    batch = generation.Batch(
-                        torch.cat([ids[rows], questions], dim=1),
-                        torch.cat([kept, kept.new_ones(questions.shape)], dim=1),
-                        contexts.input_ids.shape[1],
-                    )
-                    units = [(items[r], k) for r in rows]
+                for position, (rows, batch, units) in enumerate(batches):
+                    last = position == len(batches) - 1 and len(rows) == len(items)
                     self._answer(i, cache if last else cache.fork(rows), batch, seconds, units)
                     seconds = 0.0
             self.progress.update(sum(len(p.question_ids) for p in items))
+
+    def _answer_together(self, caches: dict[int, Any], batches: list, share: float, settled: dict[int, float]) -> None:
+        """``stack_cells``: each group of questions is answered by every cell in ``caches`` (compressed, under
+        ``decoding=grow``) in one batch, their copies stacked (:meth:`~h2o_eval.cache.EvictionCache.stack`); each
+        cell then keeps its rows, as long as its own generation would have run, and the peak its cache would
+        have reached. The decoding time is shared equally."""
+        from h2o_eval import generation
+        from h2o_eval.cache import EvictionCache
+
+        cells = list(caches)
+        seconds = {i: share + settled[i] for i in cells}
+        for rows, batch, units in batches:
+            forks = [caches[i].fork(rows) for i in cells]
+            began = time.perf_counter()
+            stacked = EvictionCache.stack(forks)
+            ids, mask = batch.input_ids.repeat(len(cells), 1), batch.attention_mask.repeat(len(cells), 1)
+            sequences = generation.decode(self.model, stacked, ids, mask, tokenizer=self.tokenizer, **self.greedy)
+            del stacked
+            spent = (time.perf_counter() - began) / len(cells)
+            width, question = ids.shape[1], ids.shape[1] - batch.context_width
+            for c, (i, fork) in enumerate(zip(cells, forks, strict=True)):
+                own = sequences[c * len(rows) : (c + 1) * len(rows)]
+                own = own[:, : width + generation.steps(self.model, own, width)]
+                fork.peak_entries = fork.grown_peak(question + own.shape[1] - width - 1)
+                generated = self.logs[i].add(batch, own, fork, seconds[i] + spent, self.ends)
+                self.outputs[i] += [
+                    _row(self.task, p, k, g, self.tokenizer) for (p, k), g in zip(units, generated, strict=True)
+                ]
+                seconds[i] = 0.0
 
     def prompts(self, members: list[int], protocol: str, generation: Any) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
