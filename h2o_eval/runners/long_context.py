@@ -249,7 +249,10 @@ class _Run:
 
         began = time.perf_counter()
         sequences = generation.complete(self.model, cache, batch, self.tokenizer, self.answered, **self.greedy)
-        seconds += time.perf_counter() - began
+        self._keep(i, batch, sequences, cache, seconds + time.perf_counter() - began, units)
+
+    def _keep(self, i: int, batch: Any, sequences: Any, cache: Any, seconds: float, units: list) -> None:
+        """Log cell ``i``'s finished batch (its ``cache``, the ``seconds`` it cost) and keep a row per question."""
         generated = self.logs[i].add(batch, sequences, cache, seconds, self.ends)
         self.outputs[i] += [
             _row(self.task, p, k, g, self.tokenizer) for (p, k), g in zip(units, generated, strict=True)
@@ -352,10 +355,7 @@ class _Run:
                 own = sequences[c * len(rows) : (c + 1) * len(rows)]
                 own = own[:, : width + generation.steps(self.model, own, width)]
                 fork.peak_entries = fork.grown_peak(question + own.shape[1] - width - 1)
-                generated = self.logs[i].add(batch, own, fork, seconds[i] + spent, self.ends)
-                self.outputs[i] += [
-                    _row(self.task, p, k, g, self.tokenizer) for (p, k), g in zip(units, generated, strict=True)
-                ]
+                self._keep(i, batch, own, fork, seconds[i] + spent, units)
                 seconds[i] = 0.0
 
     def prompts(self, members: list[int], protocol: str, generation: Any) -> None:
@@ -405,11 +405,7 @@ class _Run:
                     sequences = generation.decode(
                         self.model, cache, extended.input_ids, extended.attention_mask, **rest
                     )
-                seconds = share + time.perf_counter() - began
-                generated = self.logs[i].add(batch, sequences, cache, seconds, self.ends)
-                self.outputs[i] += [
-                    _row(self.task, p, k, g, self.tokenizer) for (p, k), g in zip(chunk, generated, strict=True)
-                ]
+                self._keep(i, batch, sequences, cache, share + time.perf_counter() - began, chunk)
             self.progress.update(len(chunk))
 
 
