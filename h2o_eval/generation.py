@@ -120,7 +120,7 @@ def settle(
         asked = torch.tensor(questions, dtype=ids.dtype, device=ids.device).view(ids.shape[0], -1)
         prompt = torch.cat([ids, asked], 1)
         prompt_mask = torch.cat([mask, torch.ones_like(asked, dtype=mask.dtype)], 1)
-        key = (tuple(prompt.shape), prompt.cpu().numpy().tobytes(), prompt_mask.cpu().numpy().tobytes(), repr(kwargs))
+        key = answer_key(prompt, prompt_mask, **kwargs)
         answer = None if answered is None else answered.get(key)
         if answer is None and cache.protocol == "context":  # the full cache's state after this context: a copy
             full = decode(model, cache.full_copy(), prompt, prompt_mask, tokenizer=tokenizer, **kwargs)
@@ -151,6 +151,12 @@ def settle(
         sibling.adopt_rehearsal(cache)
         sibling.compress_prompt()
     cache.compress_prompt()
+
+
+def answer_key(prompt: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> tuple:
+    """What identifies the full cache's answers to a batch of prompts (``prompt``/``mask``, the context and the
+    question) generated with the settings ``kwargs``, in :func:`settle`'s ``answered``."""
+    return tuple(prompt.shape), prompt.cpu().numpy().tobytes(), mask.cpu().numpy().tobytes(), repr(kwargs)
 
 
 def complete(

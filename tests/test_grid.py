@@ -155,14 +155,17 @@ def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, name):
     """Reference: each cell evaluated alone; implementation: evaluate_shared with ``stack_cells``, where every cell
-    but the oracle answers each group of questions in one batch from its own stacked compressed cache
+    but the oracle's answers each group of questions in one batch from its own stacked compressed cache, with a
+    full copy of the context whose answer the oracle's two cells then compress for, answering in a second batch
     (protocol=context, decoding=grow; one document's two questions, each answered from stacked copies).
     Answers, capacities, kept entries, generated tokens, the KV peak and the full cache's entries (each cell's
     generation as long as it would have run alone, though the batch runs on for other cells' rows) are the
-    separate runs'; the generations really ran stacked. tiny-gemma3 has sliding layers, stacked as they are."""
+    separate runs'; the generations really ran stacked, two per question and no other. tiny-gemma3 has sliding
+    layers, stacked as they are."""
     settings = {"model": name, "task": "niah_single_1", "limit": 1, "batch_size": 1, "decoding": "grow"}
     settings |= {"task.length": 600, "task.max_new_tokens": 8, "task.questions": 2, "protocol": "context"}
     cells = POLICIES[1:] + [("full", 1.0), ("kvzip", 0.3), ("expected_attention", 0.2), ("oracle", 0.3)]
+    cells += [("oracle", 0.6)]
     configs = [
         validate(make_config(data_dir, tmp_path, **settings, policy=p, budget=b, stack_cells=True)) for p, b in cells
     ]
@@ -181,7 +184,7 @@ def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(generation, "decode", counted)
     shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
-    assert max(rows) == len(cells) - 1, "every cell but the oracle answers in one batch"
+    assert rows == [len(cells) - 1, 2] * 2, "per question, the others and a full copy, then the oracle's cells"
     answers = set()
     keys = ("id", "prediction", "capacity", "generated_tokens", "scores", "kv_entries", "prompt_tokens")
     for one, together in zip(separate, shared, strict=True):

@@ -321,9 +321,8 @@ class _Run:
                     contexts.input_ids.shape[1],
                 )
                 batches.append((rows, batch, [(items[r], k) for r in rows]))
-            together = [i for i in members if not caches[i].policy.needs_answer] if self.config["stack_cells"] else []
-            if len(together) > 1:
-                self._answer_together({i: caches.pop(i) for i in together}, batches, share, settled)
+            if self.config["stack_cells"] and len(members) > 1:
+                self._answer_together({i: caches.pop(i) for i in members}, batches, share, settled)
             for i in [i for i in members if i in caches]:
                 cache, seconds = caches.pop(i), share + settled[i]
                 for position, (rows, batch, units) in enumerate(batches):
@@ -336,27 +335,55 @@ class _Run:
         """``stack_cells``: each group of questions is answered by every cell in ``caches`` (compressed, under
         ``decoding=grow``) in one batch, their copies stacked (:meth:`~h2o_eval.cache.EvictionCache.stack`); each
         cell then keeps its rows, as long as its own generation would have run, and the peak its cache would
-        have reached. The decoding time is shared equally."""
+        have reached. The oracle's cells, whose copies are compressed for the question and the full cache's
+        answer, answer in a second batch: that answer comes from a full copy of their context
+        (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first. A batch's decoding time is
+        shared equally among its cells (the full copy's share among the oracle's)."""
+        from h2o_eval import generation
+
+        plain = [i for i in caches if not caches[i].policy.needs_answer]
+        asking = [i for i in caches if caches[i].policy.needs_answer]
+        seconds = {i: share + settled[i] for i in caches}
+        for rows, batch, units in batches:
+            forks = {i: caches[i].fork(rows) for i in caches}
+            full = [forks[asking[0]].full_copy()] if asking else []
+            sequences, spent = self._decode_stacked([forks[i] for i in plain] + full, plain, batch, units, seconds)
+            if not asking:
+                continue
+            width = batch.context_width
+            key = generation.answer_key(batch.input_ids, batch.attention_mask, **self.greedy)
+            self.answered[key] = generation.new_tokens(sequences[-1], batch.input_ids.shape[1], self.ends)
+            questions = batch.input_ids[:, width:].tolist()
+            for i in asking:
+                began = time.perf_counter()
+                generation.settle(
+                    self.model, forks[i], self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
+                    questions, answered=self.answered, **self.greedy,
+                )  # fmt: skip
+                seconds[i] += spent / len(asking) + time.perf_counter() - began
+            self._decode_stacked([forks[i] for i in asking], asking, batch, units, seconds)
+
+    def _decode_stacked(self, forks: list, cells: list[int], batch: Any, units: list, seconds: dict) -> tuple:
+        """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies: each of those
+        keeps its rows, cut to the steps its own generation would have run, and the peak its cache would have
+        reached. Returns every fork's sequences and the decoding time per fork."""
         from h2o_eval import generation
         from h2o_eval.cache import EvictionCache
 
-        cells = list(caches)
-        seconds = {i: share + settled[i] for i in cells}
-        for rows, batch, units in batches:
-            forks = [caches[i].fork(rows) for i in cells]
-            began = time.perf_counter()
-            stacked = EvictionCache.stack(forks)
-            ids, mask = batch.input_ids.repeat(len(cells), 1), batch.attention_mask.repeat(len(cells), 1)
-            sequences = generation.decode(self.model, stacked, ids, mask, tokenizer=self.tokenizer, **self.greedy)
-            del stacked
-            spent = (time.perf_counter() - began) / len(cells)
-            width, question = ids.shape[1], ids.shape[1] - batch.context_width
-            for c, (i, fork) in enumerate(zip(cells, forks, strict=True)):
-                own = sequences[c * len(rows) : (c + 1) * len(rows)]
-                own = own[:, : width + generation.steps(self.model, own, width)]
-                fork.peak_entries = fork.grown_peak(question + own.shape[1] - width - 1)
-                self._keep(i, batch, own, fork, seconds[i] + spent, units)
-                seconds[i] = 0.0
+        began = time.perf_counter()
+        stacked = EvictionCache.stack(forks)
+        ids, mask = batch.input_ids.repeat(len(forks), 1), batch.attention_mask.repeat(len(forks), 1)
+        sequences = generation.decode(self.model, stacked, ids, mask, tokenizer=self.tokenizer, **self.greedy)
+        del stacked
+        spent = (time.perf_counter() - began) / len(forks)
+        width, question, rows = ids.shape[1], ids.shape[1] - batch.context_width, batch.input_ids.shape[0]
+        own = [sequences[c * rows : (c + 1) * rows] for c in range(len(forks))]
+        for i, fork, sequence in zip(cells, forks, own, strict=False):
+            cut = sequence[:, : width + generation.steps(self.model, sequence, width)]
+            fork.peak_entries = fork.grown_peak(question + cut.shape[1] - width - 1)
+            self._keep(i, batch, cut, fork, seconds[i] + spent, units)
+            seconds[i] = 0.0
+        return own, spent
 
     def prompts(self, members: list[int], protocol: str, generation: Any) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
