@@ -148,6 +148,40 @@ def test_kvzip_allocates_the_lowest_scores_model_wide_or_per_layer():
     assert [int(c.sum()) for c in per_layer.allocate(skewed, held, planned)] == [2, 2]
 
 
+@pytest.mark.parametrize("block", [1, 4, 256])
+def test_kvzip_scores_by_blocks_of_queries_what_the_pass_probabilities_give(monkeypatch, block):
+    """Reference: Rehearsal.probabilities over every query at once (softmax over the visible slots and the pass's
+    tokens up to each query), the largest per slot over the group and the real queries. Implementation: KVzip's
+    scorer, which reads only the visible slots, ``block`` queries at a time; two sequences, 2 KV heads of 3 query
+    heads each, KV heads holding different slots, the second pass padded at its end."""
+    from h2o_eval.policies import kvzip
+
+    monkeypatch.setattr(kvzip, "BLOCK", block)
+    gen = torch.Generator().manual_seed(11)
+    slots, m, kv_heads, group, dim = 40, 9, 2, 3, 8
+    held = torch.rand(2, kv_heads, slots, generator=gen) > 0.2
+    rehearsal = Rehearsal(
+        index=0,
+        script=None,
+        module=torch.nn.Module(),
+        layer=0,
+        query=torch.randn(2, kv_heads * group, m, dim, generator=gen),
+        key=torch.randn(2, kv_heads, slots + m, dim, generator=gen) * 2,
+        value=torch.zeros(2, kv_heads, slots + m, dim),
+        held=held,
+        position=torch.arange(slots).expand(2, kv_heads, slots),
+        real=torch.tensor([[True] * m, [True] * 6 + [False] * 3]),
+        scaling=dim**-0.5,
+    )
+    visible = held & (torch.rand(2, kv_heads, slots, generator=gen) > 0.4)
+    for row in range(2):
+        columns = torch.cat([visible[row], rehearsal.real[row].expand(kv_heads, -1)], dim=-1)
+        expected = rehearsal.probabilities(columns.expand(2, -1, -1))[row, ..., :slots].amax(dim=(1, 2))
+        found = kvzip._best(rehearsal, row, visible[row], plus=False)
+        torch.testing.assert_close(found, expected.masked_fill(~visible[row], 0.0))
+        assert bool((found[visible[row]] > 0).all())
+
+
 def test_kvzip_repeats_each_chunk_after_the_template_prefix(tiny):
     """The passes: "Repeat the previous context exactly." + the template's end of turn + the first chunk; later
     chunks open with the "part ... starting with" request and the previous chunk's last 8 tokens."""
@@ -329,18 +363,24 @@ def test_oracle_keeps_the_tokens_the_question_and_full_answer_attend_to(tiny):
             assert kept_by_layer(cache)[layer][h] == top(score, 9, {29}), (layer, h)
 
 
+@pytest.mark.parametrize(("plus", "block"), [(False, 256), (False, 5), (True, 5)])
 @torch.no_grad()
-def test_kvzip_keeps_what_its_definition_keeps(tiny):
+def test_kvzip_keeps_what_its_definition_keeps(tiny, monkeypatch, plus, block):
     """Reference: the repeat passes fed after the context through a plain DynamicCache (cut back after each), each
     pass's post-rotary queries (the module's q_proj and the model's rotary embedding at the pass's positions)
-    against the sinks, its chunk's context keys and its own keys, softmaxed there, the largest probability per
-    context token over the pass's queries and the group; then the lowest of all layers' pairs go (sinks never)."""
+    against the sinks, its chunk's context keys and its own keys, softmaxed there (KVzip+: each query's row
+    divided by the norm of its attention input, each key's column multiplied by ||v W_O|| of the query head), the
+    largest probability per context token over the pass's queries and the group; then the lowest of all layers'
+    pairs go (sinks never). The implementation scores ``block`` queries at a time (here also several blocks)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+    from h2o_eval.policies import kvzip
+
+    monkeypatch.setattr(kvzip, "BLOCK", block)
     model, tokenizer = tiny
     prefix, _ = template_parts(tokenizer)
     ids = torch.randint(100, 4000, (1, prefix + 30), generator=torch.Generator().manual_seed(7))
-    policy = make_policy("kvzip", 0.5, n_sink=2, chunk_size=16)
+    policy = make_policy("kvzip", 0.5, n_sink=2, chunk_size=16, kvzip_plus_normalization=plus)
     cache = compress_context(model, tokenizer, policy, ids)
     passes = policy.passes(Script([ids[0].tolist()], [[]], None, tokenizer))
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
@@ -354,7 +394,7 @@ def test_kvzip_keeps_what_its_definition_keeps(tiny):
         inputs = attention_inputs(model, torch.cat([ids, extra], 1))
         positions = torch.arange(length, length + m).view(1, -1)
         cos, sin = model.model.rotary_emb(extra.float(), positions)
-        for layer, (hidden, keys, _) in enumerate(inputs):
+        for layer, (hidden, keys, values) in enumerate(inputs):
             module = model.model.layers[layer].self_attn
             query = module.q_proj(hidden[:, length:]).view(1, m, heads, dim).transpose(1, 2)
             query, _ = apply_rotary_pos_emb(query, query, cos, sin)
@@ -363,7 +403,14 @@ def test_kvzip_keeps_what_its_definition_keeps(tiny):
                 logits = query[0, h * group : (h + 1) * group] @ keys[0, h, columns].T / math.sqrt(dim)
                 causal = torch.ones(m, len(columns), dtype=torch.bool)
                 causal[:, -m:] = torch.ones(m, m, dtype=torch.bool).tril()
-                probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
+                probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)  # [G, m, columns]
+                if plus:
+                    heads_of = range(h * group, (h + 1) * group)
+                    written = torch.stack(
+                        [(values[0, h, columns] @ module.o_proj.weight[:, q * dim : (q + 1) * dim].T).norm(dim=-1)
+                         for q in heads_of]
+                    )  # fmt: skip
+                    probs = probs / hidden[0, length:].norm(dim=-1).view(1, m, 1) * written.unsqueeze(1)
                 best = probs.amax(dim=(0, 1))
                 chunk = len(range(min(2, start)))
                 scores[layer, h, start:end] = best[chunk : chunk + end - start]

@@ -117,7 +117,7 @@ class KVzip(Policy):
 
     def rehearse(self, rehearsal: Rehearsal, scores: torch.Tensor) -> torch.Tensor:
         held, position = rehearsal.held, rehearsal.position
-        batch, kv_heads, slots = held.shape
+        batch = held.shape[0]
         prefix, _ = template_parts(rehearsal.script.tokenizer)
         scores = scores.clone()
         for row in range(batch):
@@ -127,10 +127,7 @@ class KVzip(Policy):
             sink = min(self.n_sink, start)
             tokens = position[row]
             chunk = held[row] & (tokens >= start) & (tokens < end)
-            own = rehearsal.real[row].view(1, -1).expand(kv_heads, -1)
-            columns = torch.cat([(held[row] & (tokens < sink)) | chunk, own], dim=-1)  # [Hkv, S + m]
-            attention = _attention(rehearsal, row, columns, self.kvzip_plus_normalization)  # [Hkv, G, m, S + m]
-            best = attention[..., :slots].amax(dim=(1, 2))  # max over the group and the pass's queries
+            best = _best(rehearsal, row, (held[row] & (tokens < sink)) | chunk, self.kvzip_plus_normalization)
             scores[row] = torch.where(chunk, best, scores[row])
         return scores
 
@@ -165,28 +162,44 @@ class KVzip(Policy):
         return allocated
 
 
-def _attention(rehearsal: Rehearsal, row: int, columns: torch.Tensor, plus: bool) -> torch.Tensor:
-    """[Hkv, G, m, S + m] one sequence's pass attention with the softmax over ``columns`` [Hkv, S + m]; with
-    ``plus`` (KVzip+), each query's row divided by its input's norm and each column weighed by ||v W_O||."""
-    single = Rehearsal(
-        index=rehearsal.index,
-        script=rehearsal.script,
-        module=rehearsal.module,
-        layer=rehearsal.layer,
-        query=rehearsal.query[row : row + 1],
-        key=rehearsal.key[row : row + 1],
-        value=rehearsal.value[row : row + 1],
-        held=rehearsal.held[row : row + 1],
-        position=rehearsal.position[row : row + 1],
-        real=rehearsal.real[row : row + 1],
-        scaling=rehearsal.scaling,
-    )
-    attention = single.probabilities(columns.unsqueeze(0))[0]
-    if not plus:
-        return attention
-    kv_heads, group, m, _ = attention.shape
-    projection = output_projection(rehearsal.module, kv_heads * group, rehearsal.query.shape[-1]).float()
-    projection = projection.view(kv_heads, group, *projection.shape[1:])  # [Hkv, G, D, hidden]
-    written = torch.einsum("hgdj,htd->hgtj", projection, rehearsal.value[row].float()).norm(dim=-1)
-    inputs = rehearsal.hidden_states[row].float().norm(dim=-1)  # [m]
-    return attention / inputs.view(1, 1, m, 1) * written.unsqueeze(2)
+BLOCK = 256  # the pass's queries scored at a time: the probabilities of one block are held at once
+
+
+def _best(rehearsal: Rehearsal, row: int, visible: torch.Tensor, plus: bool) -> torch.Tensor:
+    """[Hkv, S] one sequence's largest pass attention (over the KV head's group and the pass's real queries) on
+    each of the slots ``visible`` [Hkv, S], the softmax running over those slots and the pass's tokens up to each
+    query (as :meth:`~h2o_eval.policies.inputs.Rehearsal.probabilities` restricted to those columns); zero on the
+    other slots. With ``plus`` (KVzip+), each query's attention is divided by its input's norm and each slot's
+    multiplied by ||v W_O||. Only the visible slots' keys are read, a block of queries at a time."""
+    kv_heads, slots = visible.shape
+    group = rehearsal.query.shape[1] // kv_heads
+    m = int(rehearsal.real[row].sum())  # a pass's real tokens come first, its padding after
+    columns = visible.any(0).nonzero().flatten()
+    allowed = visible[:, columns].view(kv_heads, 1, 1, -1)
+    key = rehearsal.key[row].float()
+    slot_keys, own_keys = key[:, columns], key[:, slots : slots + m]  # [Hkv, n, D], [Hkv, m, D]
+    query = rehearsal.query[row, :, :m].float().view(kv_heads, group, m, -1)
+    if plus:
+        dim = query.shape[-1]
+        projection = output_projection(rehearsal.module, kv_heads * group, dim).float()
+        projection = projection.view(kv_heads, group, dim, -1)  # [Hkv, G, D, hidden]
+        value = rehearsal.value[row, :, columns].float()
+        written = torch.einsum("hgdj,htd->hgtj", projection, value).norm(dim=-1)  # [Hkv, G, n]
+        inputs = rehearsal.hidden_states[row, :m].float().norm(dim=-1)  # [m]
+    best = query.new_zeros(kv_heads, columns.numel())
+    for first in range(0, m, BLOCK):
+        last = min(first + BLOCK, m)
+        rows = torch.arange(first, last, device=query.device)
+        block = query[:, :, first:last]
+        on_slots = torch.matmul(block, slot_keys.unsqueeze(1).transpose(-1, -2)) * rehearsal.scaling
+        on_own = torch.matmul(block, own_keys[:, :last].unsqueeze(1).transpose(-1, -2)) * rehearsal.scaling
+        causal = rows.view(-1, 1) >= torch.arange(last, device=query.device).view(1, -1)
+        on_slots = on_slots.masked_fill(~allowed, float("-inf"))
+        logits = torch.cat([on_slots, on_own.masked_fill(~causal, float("-inf"))], dim=-1)
+        attention = torch.softmax(logits, dim=-1)[..., : columns.numel()]  # [Hkv, G, b, n]
+        if plus:
+            attention = attention / inputs[first:last].view(1, 1, -1, 1) * written.unsqueeze(2)
+        best = torch.maximum(best, attention.amax(dim=(1, 2)))
+    scored = best.new_zeros(kv_heads, slots)
+    scored[:, columns] = best.masked_fill(~allowed.view(kv_heads, -1), 0.0)
+    return scored
