@@ -148,36 +148,49 @@ def test_kvzip_allocates_the_lowest_scores_model_wide_or_per_layer():
     assert [int(c.sum()) for c in per_layer.allocate(skewed, held, planned)] == [2, 2]
 
 
-@pytest.mark.parametrize("block", [1, 4, 256])
-def test_kvzip_scores_by_blocks_of_queries_what_the_pass_probabilities_give(monkeypatch, block):
+@pytest.mark.parametrize(("plus", "block"), [(False, 1), (False, 4), (False, 256), (True, 1), (True, 4)])
+def test_kvzip_scores_by_blocks_of_queries_what_the_pass_probabilities_give(monkeypatch, plus, block):
     """Reference: Rehearsal.probabilities over every query at once (softmax over the visible slots and the pass's
-    tokens up to each query), the largest per slot over the group and the real queries. Implementation: KVzip's
-    scorer, which reads only the visible slots, ``block`` queries at a time; two sequences, 2 KV heads of 3 query
-    heads each, KV heads holding different slots, the second pass padded at its end."""
+    tokens up to each query; KVzip+: each query's row divided by its input's norm, each slot's column multiplied
+    by ||v W_O|| of the query head), the largest per slot over the group and the real queries. Implementation:
+    KVzip's scorer, which reads only the visible slots, ``block`` queries at a time; two sequences, 2 KV heads of
+    3 query heads each, KV heads holding different slots, the second pass padded at its end."""
     from h2o_eval.policies import kvzip
+    from h2o_eval.policies.inputs import output_projection
 
     monkeypatch.setattr(kvzip, "BLOCK", block)
     gen = torch.Generator().manual_seed(11)
-    slots, m, kv_heads, group, dim = 40, 9, 2, 3, 8
+    slots, m, kv_heads, group, dim, hidden = 40, 9, 2, 3, 8, 16
+    module = torch.nn.Module()
+    module.o_proj = torch.nn.Linear(kv_heads * group * dim, hidden, bias=False)
+    torch.nn.init.normal_(module.o_proj.weight, generator=gen)
     held = torch.rand(2, kv_heads, slots, generator=gen) > 0.2
     rehearsal = Rehearsal(
         index=0,
         script=None,
-        module=torch.nn.Module(),
+        module=module,
         layer=0,
         query=torch.randn(2, kv_heads * group, m, dim, generator=gen),
         key=torch.randn(2, kv_heads, slots + m, dim, generator=gen) * 2,
-        value=torch.zeros(2, kv_heads, slots + m, dim),
+        value=torch.randn(2, kv_heads, slots + m, dim, generator=gen),
         held=held,
         position=torch.arange(slots).expand(2, kv_heads, slots),
         real=torch.tensor([[True] * m, [True] * 6 + [False] * 3]),
         scaling=dim**-0.5,
+        hidden_states=torch.randn(2, m, hidden, generator=gen) * torch.linspace(0.5, 3, m).view(1, m, 1),
     )
     visible = held & (torch.rand(2, kv_heads, slots, generator=gen) > 0.4)
+    projection = output_projection(module, kv_heads * group, dim).detach().view(kv_heads, group, dim, hidden)
     for row in range(2):
         columns = torch.cat([visible[row], rehearsal.real[row].expand(kv_heads, -1)], dim=-1)
-        expected = rehearsal.probabilities(columns.expand(2, -1, -1))[row, ..., :slots].amax(dim=(1, 2))
-        found = kvzip._best(rehearsal, row, visible[row], plus=False)
+        expected = rehearsal.probabilities(columns.expand(2, -1, -1))[row, ..., :slots]  # [Hkv, G, m, S]
+        if plus:
+            written = torch.einsum("hgdj,hsd->hgsj", projection, rehearsal.value[row, :, :slots]).norm(dim=-1)
+            inputs = rehearsal.hidden_states[row].norm(dim=-1).clamp(min=1e-9)  # pad rows' probabilities are 0
+            expected = expected / inputs.view(1, 1, m, 1) * written.unsqueeze(2)
+        expected = expected.amax(dim=(1, 2))
+        with torch.no_grad():
+            found = kvzip._best(rehearsal, row, visible[row], plus=plus)
         torch.testing.assert_close(found, expected.masked_fill(~visible[row], 0.0))
         assert bool((found[visible[row]] > 0).all())
 

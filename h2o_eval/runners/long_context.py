@@ -175,8 +175,9 @@ class LongContextRunner(Runner):
         """The cells' evaluations; they differ only in policy, budget and protocol. The first chunk of a batch (the
         contexts under ``context``, the prompts under ``prefill``), which attends in full whatever the policy, runs
         once through a :class:`~h2o_eval.cache.SharedPrompt` of every cell's cache when there are several, each
-        compressing it by its own policy; each cell then answers alone. A cell's ``generated_tokens_per_s``
-        counts its share of the shared pass."""
+        compressing it by its own policy; each cell then answers alone (with ``stack_cells``, together:
+        :meth:`_Run._answer_together`). A cell's ``generated_tokens_per_s`` counts its share of the shared pass (and
+        of a stacked decode)."""
 
         from h2o_eval import generation
 
@@ -283,9 +284,10 @@ class _Run:
         """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and
         compressed; then each question, a group of rows whose questions have one length at a time, is answered
         from a copy of each cell's compressed cache (the cache itself for the last group when it takes every
-        row). A policy that scores by extra passes runs them before its compression
-        (:func:`~h2o_eval.generation.settle`), once for the cells that differ only in budget; one whose passes need
-        the question and answer (the oracle) compresses each question's copy for that question."""
+        row; with ``stack_cells``, the copies of every cell stacked: :meth:`_answer_together`). A policy that
+        scores by extra passes runs them before its compression (:func:`~h2o_eval.generation.settle`), once for the
+        cells that differ only in budget; one whose passes need the question and answer (the oracle) compresses
+        each question's copy for that question."""
         import torch
 
         from h2o_eval.cache import SharedPrompt
@@ -337,31 +339,35 @@ class _Run:
         cell then keeps its rows, as long as its own generation would have run, and the peak its cache would
         have reached. The oracle's cells, whose copies are compressed for the question and the full cache's
         answer, answer in a second batch: that answer comes from a full copy of their context
-        (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first. A batch's decoding time is
-        shared equally among its cells (the full copy's share among the oracle's)."""
+        (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first, whose slots it widens to the
+        whole context. A batch's decoding time is shared equally among its cells (the full copy's share among the
+        oracle's)."""
         from h2o_eval import generation
 
         plain = [i for i in caches if not caches[i].policy.needs_answer]
         asking = [i for i in caches if caches[i].policy.needs_answer]
         seconds = {i: share + settled[i] for i in caches}
         for rows, batch, units in batches:
-            forks = {i: caches[i].fork(rows) for i in caches}
-            full = [forks[asking[0]].full_copy()] if asking else []
-            sequences, spent = self._decode_stacked([forks[i] for i in plain] + full, plain, batch, units, seconds)
+            full = [caches[asking[0]].fork(rows).full_copy()] if asking else []
+            forks = [caches[i].fork(rows) for i in plain] + full
+            sequences, spent = self._decode_stacked(forks, plain, batch, units, seconds)
             if not asking:
                 continue
             width = batch.context_width
             key = generation.answer_key(batch.input_ids, batch.attention_mask, **self.greedy)
             self.answered[key] = generation.new_tokens(sequences[-1], batch.input_ids.shape[1], self.ends)
             questions = batch.input_ids[:, width:].tolist()
-            for i in asking:
+            compressed = []
+            for i in asking:  # one uncompressed copy of the context at a time
                 began = time.perf_counter()
+                fork = caches[i].fork(rows)
                 generation.settle(
-                    self.model, forks[i], self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
+                    self.model, fork, self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
                     questions, answered=self.answered, **self.greedy,
                 )  # fmt: skip
+                compressed.append(fork)
                 seconds[i] += spent / len(asking) + time.perf_counter() - began
-            self._decode_stacked([forks[i] for i in asking], asking, batch, units, seconds)
+            self._decode_stacked(compressed, asking, batch, units, seconds)
 
     def _decode_stacked(self, forks: list, cells: list[int], batch: Any, units: list, seconds: dict) -> tuple:
         """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies: each of those
