@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from h2o_eval import figures
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import load_model
 from h2o_eval.run import fail
@@ -271,17 +272,12 @@ def table(record: dict[str, Any]) -> str:
 
 def write(record: dict[str, Any], out: Path) -> list[Path]:
     """``observations.json`` and both figures (PNG and PDF) under ``out``; returns the files."""
-    import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "observations.json"]
     written[0].write_text(json.dumps(record, indent=1) + "\n")
     for name, make in (("sparsity", sparsity_figure), ("heavy_hitters", heavy_hitter_figure)):
-        fig = make(record)
-        for suffix in ("png", "pdf"):
-            written.append(out / f"{name}.{suffix}")
-            fig.savefig(written[-1], dpi=150)
-        plt.close(fig)
+        written += figures.save(make(record), out / name, dpi=150)
     return written
 
 

@@ -32,7 +32,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import plot_needle, stats
+from h2o_eval import figures, plot_needle, stats
 from h2o_eval.results import load_records
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
@@ -610,7 +610,6 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
 def write_leaderboards(settings: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
     """Each leaderboard of :func:`leaderboards` under ``out`` as ``leaderboard_<model>_<protocol>_<length>``
     (``_limit<N>`` added when a limit is set) .md, .csv, .png and .pdf; returns the files and the Markdown."""
-    import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
     files, texts = [], []
@@ -625,11 +624,7 @@ def write_leaderboards(settings: list[dict[str, Any]], out: Path) -> tuple[list[
             writer = csv.DictWriter(handle, fieldnames=LEADERBOARD_COLUMNS)
             writer.writeheader()
             writer.writerows(leaderboard_rows(group))
-        fig = leaderboard_figure(key, group)
-        for suffix in ("png", "pdf"):
-            files.append(out / f"{stem}.{suffix}")
-            fig.savefig(files[-1], dpi=150, bbox_inches="tight")
-        plt.close(fig)
+        files += figures.save(leaderboard_figure(key, group), out / stem, dpi=150, bbox_inches="tight")
     return files, "\n".join(texts)
 
 
@@ -644,7 +639,6 @@ def write(
     ``at`` the policies side by side in ``at_<budget>.md``, the ``compared`` rows of :func:`paired_rows` in
     ``paired_<against>.md`` (ringing, when they are against the full cache, the significant points of the
     figures), and the long-context settings of :func:`long_context` in ``headline.md``; returns the files."""
-    import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
@@ -653,11 +647,7 @@ def write(
         _setting(r) for r in compared if r["against"] == "full" and r["paired"].significant and "pairs" in r
     )
     for task in sorted({r["task"] for r in rows}):
-        fig = figure(rows, task, significant)
-        for suffix in ("png", "pdf"):
-            written.append(out / f"{task}.{suffix}")
-            fig.savefig(written[-1], dpi=150)
-        plt.close(fig)
+        written += figures.save(figure(rows, task, significant), out / task, dpi=150)
     with (out / "summary.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()

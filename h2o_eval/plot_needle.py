@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import stats
+from h2o_eval import figures, stats
 from h2o_eval.results import load_records
 
 SETTING = ("model", "task", "policy", "budget", "protocol", "length")
@@ -142,19 +142,15 @@ def length_plot(rows: list[dict[str, Any]]) -> Any:
 def write(results_dir: Path, out: Path) -> list[Path]:
     """Both figures (PNG, PDF) per model and task under ``out``: ``needle_<task>_<model>`` (tasks with a needle)
     and ``length_<task>_<model>``. Returns the files written."""
-    import matplotlib.pyplot as plt
 
     rows = needle_rows(results_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for model, task in sorted({(r["model"], r["task"]) for r in rows}):
         chosen = [r for r in rows if (r["model"], r["task"]) == (model, task)]
-        figures = {"length": length_plot(chosen)}
+        drawn = {"length": length_plot(chosen)}
         if any(r["depths"] for r in chosen):
-            figures["needle"] = heatmap(chosen)
-        for kind, fig in figures.items():
-            for suffix in ("png", "pdf"):
-                files.append(out / f"{kind}_{task}_{model}.{suffix}")
-                fig.savefig(files[-1], dpi=150, bbox_inches="tight")
-            plt.close(fig)
+            drawn["needle"] = heatmap(chosen)
+        for kind, fig in drawn.items():
+            files += figures.save(fig, out / f"{kind}_{task}_{model}", dpi=150, bbox_inches="tight")
     return files

@@ -81,6 +81,15 @@ def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
     assert "xsum" not in markdown and "| copa |" in capsys.readouterr().out
 
 
+def test_regenerated_figures_are_the_same_bytes_on_another_day(results_dir, tmp_path, monkeypatch):
+    figures = {}
+    for day, epoch in enumerate(("0", "86400")):
+        monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)  # the creation date matplotlib would write
+        plot.main([str(results_dir), "--task", "copa", "--out", str(tmp_path / str(day))])
+        figures[day] = {name: (tmp_path / str(day) / name).read_bytes() for name in ("copa.png", "copa.pdf")}
+    assert figures[0] == figures[1]
+
+
 def test_summary_states_the_summed_and_the_elapsed_compute_of_its_records(tmp_path):
     runs = [
         ("copa", "full", 1.0, "2026-11-22T00:10:00+00:00", 600.0),
