@@ -272,7 +272,6 @@ def table(record: dict[str, Any]) -> str:
 
 def write(record: dict[str, Any], out: Path) -> list[Path]:
     """``observations.json`` and both figures (PNG and PDF) under ``out``; returns the files."""
-
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "observations.json"]
     written[0].write_text(json.dumps(record, indent=1) + "\n")

@@ -610,7 +610,6 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
 def write_leaderboards(settings: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
     """Each leaderboard of :func:`leaderboards` under ``out`` as ``leaderboard_<model>_<protocol>_<length>``
     (``_limit<N>`` added when a limit is set) .md, .csv, .png and .pdf; returns the files and the Markdown."""
-
     out.mkdir(parents=True, exist_ok=True)
     files, texts = [], []
     for key, group in leaderboards(settings).items():
@@ -639,7 +638,6 @@ def write(
     ``at`` the policies side by side in ``at_<budget>.md``, the ``compared`` rows of :func:`paired_rows` in
     ``paired_<against>.md`` (ringing, when they are against the full cache, the significant points of the
     figures), and the long-context settings of :func:`long_context` in ``headline.md``; returns the files."""
-
     out.mkdir(parents=True, exist_ok=True)
     written = []
     compared = compared or []

@@ -142,7 +142,6 @@ def length_plot(rows: list[dict[str, Any]]) -> Any:
 def write(results_dir: Path, out: Path) -> list[Path]:
     """Both figures (PNG, PDF) per model and task under ``out``: ``needle_<task>_<model>`` (tasks with a needle)
     and ``length_<task>_<model>``. Returns the files written."""
-
     rows = needle_rows(results_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = []
