@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -431,30 +432,13 @@ class EvictionLayer(CacheLayerMixin):
             layer.plan = {key: value.index_select(0, rows.to(value.device)).clone() for key, value in self.plan.items()}
         return layer
 
-    @staticmethod
-    def stack(owner: EvictionCache, layers: list[EvictionLayer]) -> EvictionLayer:
-        """Layers of several caches as one (see :meth:`EvictionCache.stack`): their sequences in order, slots
-        padded to the fullest layer's with slots not held, nothing to evict ever again."""
-        first = layers[0]
-        if any(layer.pending is not None or layer.slot is not None for layer in layers):
-            raise RuntimeError("caches are stacked between forwards only")
-        layer = EvictionLayer(owner, first.layer_idx, first.window)
-        layer.seen, layer.is_initialized = first.seen, True
-        size = max(one.keys.shape[2] for one in layers)
-        for name in ("keys", "values", "held", "position", "scores"):
-            parts = [getattr(one, name) for one in layers]
-            if first.window is None:  # a sliding layer holds the same last tokens (and no positions or scores)
-                parts = [torch.cat([p, p.new_zeros(*p.shape[:2], size - p.shape[2], *p.shape[3:])], 2) for p in parts]
-            setattr(layer, name, torch.cat(parts))
-        layer.real_seen = torch.cat([one.real_seen for one in layers])
-        if first.window is None:
-            layer.moved, layer.unbounded = True, True
-            rows, kv_heads = layer.held.shape[:2]
-            layer.plan = {
-                "capacity": torch.full((rows, kv_heads), UNBOUNDED, dtype=torch.int64, device=layer.held.device),
-                "recent": torch.cat([one.plan["recent"] for one in layers]),
-                "sinks": torch.cat([one.plan["sinks"] for one in layers]),
-            }
+    def grown_view(self, owner: EvictionCache) -> EvictionLayer:
+        """This layer's state, not copied, for ``owner`` (:meth:`EvictionCache.grown_view`): tokens fed through
+        the view go to buffers of its own, so this layer is left as it was."""
+        if self.pending is not None or self.slot is not None:
+            raise RuntimeError("a view of a cache is made between forwards only")
+        layer = copy.copy(self)
+        layer._owner, layer.room = weakref.ref(owner), None
         return layer
 
     def realised(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -627,27 +611,35 @@ class EvictionCache(Cache):
                 layer.unbounded = True
         return clone
 
+    def grown_view(self) -> EvictionCache:
+        """This compressed cache under ``decoding=grow``, not copied, as a cache that appends every token it is
+        fed and attends to what it holds: what the cache itself would attend to, with no score kept up to date
+        (under ``grow`` nothing reads them again). The cache is left as it was."""
+        if self.decoding != "grow" or self.deferred or self.protocol == "simulate":
+            raise ValueError("only compressed caches under decoding=grow (which evict nothing more) are stacked")
+        view = copy.copy(self)
+        view.policy, view.script, view.peak_entries = Full(), None, 0
+        view.rule = dataclasses.replace(view.policy.rule, grows=True)
+        view.layers = [layer.grown_view(view) for layer in self.layers]
+        return view
+
     @classmethod
     def stack(cls, caches: list[EvictionCache]) -> EvictionCache:
         """One cache whose sequences are those of ``caches`` in order, for feeding them the same tokens in one
-        batch: compressed caches of one model under ``decoding=grow`` (each holding its own slots of the same
-        tokens fed), which evict nothing any more whatever their policies, so each sequence attends to what its
-        own cache holds, as it would alone. A layer's slots are padded to the fullest cache's with slots that
-        are not held; every slot then is attended through the held mask (sliding layers, which hold the same
-        last tokens in every cache, attend by the model's mask as before). The inputs are left as they were."""
-        first = caches[0]
-        if any(c.decoding != "grow" or c.deferred or c.protocol == "simulate" for c in caches):
-            raise ValueError("only compressed caches under decoding=grow (which evict nothing more) are stacked")
+        batch: compressed caches of one model under ``decoding=grow``, which evict nothing any more whatever
+        their policies. Each layer hands each cache's rows to that cache's layer (a :meth:`grown_view`), which
+        attends to what it holds as it would alone, over its own slots only; what is batched is the rest of the
+        model. The inputs are left as they were."""
         if len({tuple(layer.seen for layer in c.layers) for c in caches}) != 1:
             raise ValueError("the caches have seen different tokens: only caches fed the same tokens are stacked")
-        policy = Full()
-        stacked = copy.copy(first)
-        stacked.policy, stacked.script, stacked.peak_entries = policy, None, 0
-        stacked.rule = dataclasses.replace(policy.rule, grows=True)
-        stacked.lengths = [length for c in caches for length in c.lengths]
+        views = [cache.grown_view() for cache in caches]
+        stacked = copy.copy(views[0])
+        stacked.views = views  # the layers' owners (held weakly by their layers)
+        stacked.lengths = [length for view in views for length in view.lengths]
         stacked.length = stacked.lengths
-        stacked.prompt = None if first.prompt is None else [p for c in caches for p in c.prompt]
-        stacked.layers = [EvictionLayer.stack(stacked, [c.layers[i] for c in caches]) for i in range(len(first.layers))]
+        stacked.prompt = None if views[0].prompt is None else [p for view in views for p in view.prompt]
+        rows = [len(view.lengths) for view in views]
+        stacked.layers = [StackedLayer([view.layers[i] for view in views], rows) for i in range(len(views[0].layers))]
         return stacked
 
     def grown_peak(self, fed: int) -> int:
@@ -761,8 +753,9 @@ class CapacityLog:
         }
 
 
-class SharedPromptLayer(CacheLayerMixin):
-    """One layer of :class:`SharedPrompt`: the chunk goes to every cache's layer, attention is computed once."""
+class LayersOfCaches(CacheLayerMixin):
+    """One layer of several :class:`EvictionCache` s fed as one: ``layers``, one per cache, all having seen the
+    same tokens."""
 
     is_sliding = False
     is_croppable = False
@@ -773,6 +766,48 @@ class SharedPromptLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.is_initialized = True
+
+    def check_attended(self) -> None:
+        for layer in self.layers:
+            layer.check_attended()
+
+    def get_seq_length(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.layers[0].get_mask_sizes(query_length)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StackedLayer(LayersOfCaches):
+    """One layer of a stacked cache (:meth:`EvictionCache.stack`): each cache's rows of a chunk go to that
+    cache's layer, which takes them and attends as it would alone; the outputs are the rows in order."""
+
+    def __init__(self, layers: list[EvictionLayer], rows: list[int]) -> None:
+        super().__init__(layers)
+        self.is_initialized = True
+        ends = list(itertools.accumulate(rows))
+        self.rows = [slice(end - count, end) for end, count in zip(ends, rows, strict=True)]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        for layer, rows in zip(self.layers, self.rows, strict=True):
+            layer.update(key_states[rows], value_states[rows])
+        return key_states, value_states
+
+    def attend(self, module, query, key, value, attention_mask, scaling, hidden_states=None) -> torch.Tensor:
+        outputs = []
+        for layer, rows in zip(self.layers, self.rows, strict=True):
+            keys, values = layer.pending
+            mask = None if attention_mask is None else attention_mask[rows]
+            own = None if hidden_states is None else hidden_states[rows]
+            outputs.append(layer.attend(module, query[rows], keys, values, mask, scaling, hidden_states=own))
+        return torch.cat(outputs)
+
+
+class SharedPromptLayer(LayersOfCaches):
+    """One layer of :class:`SharedPrompt`: the chunk goes to every cache's layer, attention is computed once."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if any(layer.seen for layer in self.layers):
@@ -788,19 +823,6 @@ class SharedPromptLayer(CacheLayerMixin):
                 votes=votes, shared=shared,
             )  # fmt: skip
         return plain_attention(module, query, key, value, attention_mask, scaling)
-
-    def check_attended(self) -> None:
-        for layer in self.layers:
-            layer.check_attended()
-
-    def get_seq_length(self) -> int:
-        return self.layers[0].get_seq_length()
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.layers[0].get_mask_sizes(query_length)
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class SharedPrompt(Cache):

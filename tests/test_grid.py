@@ -196,6 +196,42 @@ def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, 
     assert len(answers) > 2, "the policies should answer differently here, or the test proves little"
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_a_stack_decodes_each_cache_as_alone_and_leaves_the_caches_as_they_were(name):
+    """Reference: each compressed cache (a full cache and H2O, SnapKV and StreamingLLM at budgets whose slots differ
+    in number) decoding a question alone; implementation: the same caches stacked, decoding it in one batch. Every
+    row generates the tokens its own cache generates alone, and the stacked caches still hold what they held."""
+    model, _ = load_model(name, device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randint(5, model.config.vocab_size, (2, 48), generator=generator)
+    prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (2, 6), generator=generator)], 1)
+    cells = [("full", 1.0), ("h2o", 0.3), ("snapkv", 0.5), ("streaming", 0.2)]
+    settings = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+
+    def compressed():
+        caches = [
+            EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow") for p, b in cells
+        ]
+        generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
+        return caches
+
+    alone = [
+        generation.decode(model, cache, prompt, torch.ones_like(prompt), **settings)[:, prompt.shape[1] :]
+        for cache in compressed()
+    ]
+    assert len({tuple(a.flatten().tolist()) for a in alone}) > 2, "the caches should answer differently here"
+    caches = compressed()
+    before = [[(layer.keys.clone(), layer.held.clone()) for layer in cache.layers] for cache in caches]
+    held = {int(next(layer for layer in cache.layers if layer.window is None).held.sum()) for cache in caches}
+    assert len(held) == len(cells), "the caches should hold different numbers of slots"
+    stacked = EvictionCache.stack(caches)
+    together = generation.decode(model, stacked, prompt.repeat(len(cells), 1), None, **settings)
+    assert torch.equal(together[:, prompt.shape[1] :], torch.cat(alone))
+    for cache, held in zip(caches, before, strict=True):
+        for layer, (keys, slots) in zip(cache.layers, held, strict=True):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.held, slots)
+
+
 def test_only_compressed_caches_that_evict_nothing_more_and_saw_the_same_tokens_are_stacked():
     model, _ = load_model("tiny-llama", device="cpu")
     ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
@@ -206,7 +242,7 @@ def test_only_compressed_caches_that_evict_nothing_more_and_saw_the_same_tokens_
             model(tokens, cache=cache, use_cache=True)
         return cache
 
-    assert EvictionCache.stack([fed("grow", ids), fed("grow", ids)]).layers[0].keys.shape[0] == 2
+    assert EvictionCache.stack([fed("grow", ids), fed("grow", ids)]).lengths == [40, 40]
     with pytest.raises(ValueError, match="decoding=grow"):
         EvictionCache.stack([fed("grow", ids), fed("evict", ids)])
     with pytest.raises(ValueError, match="seen different tokens"):

@@ -339,9 +339,8 @@ class _Run:
         cell then keeps its rows, as long as its own generation would have run, and the peak its cache would
         have reached. The oracle's cells, whose copies are compressed for the question and the full cache's
         answer, answer in a second batch: that answer comes from a full copy of their context
-        (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first, whose slots it widens to the
-        whole context. A batch's decoding time is shared equally among its cells (the full copy's share among the
-        oracle's)."""
+        (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first. A batch's decoding time is
+        shared equally among its cells (the full copy's share among the oracle's)."""
         from h2o_eval import generation
 
         plain = [i for i in caches if not caches[i].policy.needs_answer]
