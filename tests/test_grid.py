@@ -209,9 +209,7 @@ def test_a_stack_decodes_each_cache_as_alone_and_leaves_the_caches_as_they_were(
     settings = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
 
     def compressed():
-        caches = [
-            EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow") for p, b in cells
-        ]
+        caches = [EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow") for p, b in cells]
         generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
         return caches
 
