@@ -439,6 +439,7 @@ class EvictionLayer(CacheLayerMixin):
             raise RuntimeError("a view of a cache is made between forwards only")
         layer = copy.copy(self)
         layer._owner, layer.room = weakref.ref(owner), None
+        layer.plan = None if self.plan is None else dict(self.plan)  # a chunk through the view sets its own
         return layer
 
     def realised(self, lengths: torch.Tensor) -> torch.Tensor:
