@@ -231,8 +231,9 @@ def _under(data_dir: str | Path | None, name: str, task: Mapping[str, Any]) -> P
     return path
 
 
-def check(task: Mapping[str, Any], data_dir: str | Path | None) -> None:
-    """Every setting of the task, and its data, checked before any model loads; each refused in one line."""
+def check(task: Mapping[str, Any], data_dir: str | Path | None, documents: int | None = None) -> None:
+    """Every setting of the task, and its data, checked before any model loads; each refused in one line.
+    ``documents``: how many of the task's documents the run asks (the first ones; None: ``task.samples``)."""
     family = task.get("family")
     if family not in FAMILIES:
         raise ConfigError(f"task.family={family!r}: use one of {', '.join(FAMILIES)}")
@@ -267,11 +268,11 @@ def check(task: Mapping[str, Any], data_dir: str | Path | None) -> None:
     data_files(task, data_dir)
     if family == "qa":
         available = len(_qa_data(task["dataset"], _under(data_dir, DATASETS[task["dataset"]], task))[0])
-        wanted = task["samples"] * questions
-        if wanted > available:
+        count = task["samples"] if documents is None else documents
+        if count * questions > available:
             raise ConfigError(
-                f"task {task['name']} asks {wanted} questions ({task['samples']} samples x {questions}) of "
-                f"{available} in {DATASETS[task['dataset']]}: use task.samples <= {available // questions}"
+                f"task {task['name']} asks {count * questions} questions ({count} documents x {questions}) of "
+                f"{available} in {DATASETS[task['dataset']]}: use limit or task.samples <= {available // questions}"
             )
 
 
@@ -340,8 +341,8 @@ def generate(
     longest), ``haystack_units`` the words, lines, list words or documents of the haystack RULER's search chose
     for the document. Documents are generated once per (task settings, ``count_tokens``, ``data_dir``) in a process.
     """
-    check(task, data_dir)
     count = task["samples"] if limit is None else min(limit, task["samples"])
+    check(task, data_dir, count)
     key = (json.dumps(dict(task), sort_keys=True, default=str), count_tokens, str(data_dir))
     documents = _MEMO.get(key)
     if documents is None or len(documents) < count:

@@ -159,6 +159,14 @@ def test_bad_settings_stop_with_one_line(overrides, message, tmp_path, data_dir)
         validate(make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", **overrides))
 
 
+def test_qa_is_checked_for_the_documents_its_limit_asks(tmp_path, data_dir):
+    """K=2 questions on HotpotQA's 100: task.samples=100 asks 200, refused; limit=1 asks 2 of them, run."""
+    settings = {"task.questions": 2, "task.length": 2048}
+    validate(make_config(data_dir, tmp_path, model="tiny-llama", task="qa_2", limit=1, **settings))
+    with pytest.raises(ConfigError, match=re.escape("asks 200 questions (100 documents x 2) of 100")):
+        validate(make_config(data_dir, tmp_path, model="tiny-llama", task="qa_2", **settings))
+
+
 def test_a_length_beyond_the_models_positions_stops_with_one_line(tmp_path, data_dir):
     """task.length beyond the positions in the model's config stops before the model loads; a length within them
     whose prompt in the model's tokens (here fitted in Llama-3's) and new tokens are not stops once the prompts

@@ -406,8 +406,8 @@ def test_bad_niah_settings_are_refused_in_one_line(overrides, message, data_dir)
         ("vt", {"depths": [50]}, "task.depths=[50]: only needle tasks place needles, use depths=null"),
         ("niah_single_1", {"haystack": "x.jsonl"}, "task.haystack replaces the essay haystack only"),
         ("qa_1", {"dataset": "nq"}, "task.dataset='nq': use one of squad, hotpotqa"),
-        ("qa_2", {"samples": 500}, "task qa_2 asks 500 questions (500 samples x 1) of 100 in hotpotqa/validation"),
-        ("qa_2", {"questions": 2}, "use task.samples <= 50"),
+        ("qa_2", {"samples": 500}, "task qa_2 asks 500 questions (500 documents x 1) of 100 in hotpotqa/validation"),
+        ("qa_2", {"questions": 2}, "use limit or task.samples <= 50"),
         ("niah_single_2", {"haystack": "/nonexistent.jsonl"}, "task.haystack=/nonexistent.jsonl does not exist"),
     ],
 )
@@ -415,6 +415,22 @@ def test_bad_settings_of_other_tasks_are_refused_in_one_line(name, overrides, me
     with pytest.raises(ConfigError, match=re.escape(message)) as raised:
         ruler.check(task(name, **overrides), data_dir)
     assert "\n" not in str(raised.value)
+
+
+def test_qa_asks_only_the_questions_of_the_documents_a_run_takes(data_dir):
+    """Document i asks questions i*K ... i*K+K-1, so a limit of 1 at K=2 needs 2 of HotpotQA's 100 questions,
+    whatever task.samples says (a run with a limit used to be refused for task.samples x K)."""
+    qa = task("qa_2", questions=2)
+    ruler.check(qa, data_dir, 50)
+    with pytest.raises(ConfigError, match=re.escape("task qa_2 asks 102 questions (51 documents x 2) of 100")):
+        ruler.check(qa, data_dir, 51)
+    with pytest.raises(ConfigError, match=re.escape("(100 documents x 2)")):
+        ruler.check(qa, data_dir)
+    rows = list(read_jsonl(data_dir / ruler.DATASETS["hotpotqa"]))
+    (document,) = documents("qa_2", data_dir, limit=1, questions=2)
+    (fewer,) = documents("qa_2", data_dir, limit=1, questions=2, samples=50)
+    assert document == fewer
+    assert [rows[k]["question"] in q["question"] for k, q in enumerate(document["questions"])] == [True, True]
 
 
 def test_data_files_name_what_each_task_reads(data_dir, tmp_path):

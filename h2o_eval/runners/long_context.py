@@ -141,7 +141,7 @@ class LongContextRunner(Runner):
         from h2o_eval.models import load_config
 
         task = config["task"]
-        ruler.check(task, config["data_dir"])
+        ruler.check(task, config["data_dir"], _count(config))
         if config["num_fewshot"]:
             raise ConfigError(f"task {task['name']} has no few-shot examples: drop num_fewshot={config['num_fewshot']}")
         model = load_config(config["model"])
