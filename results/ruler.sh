@@ -17,8 +17,10 @@
 #   full_gemma    the same for Gemma 3 270M
 #   floor         h2o, local and snapkv at 25 % on niah_single_2 at 4k (context protocol, the policies' own
 #                 decoding), SmolLM2, 10 documents, against the news-haystack grid's 0.20 floor
-#   leaderboard   +experiment=kv_leaderboard: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe and
-#                 fwe, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe: 20).
+#   leaderboard   +experiment=kv_leaderboard: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe, fwe
+#                 and qa_2, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe,
+#                 qa_2: 20). qa_2's ten paragraphs per question fill 4k: in SmolLM2's tokens two questions' leave no room for
+#                 a distractor and three do not fit, so it asks one, as RULER does.
 #                 Units of a task and 3 policies; two lanes split them: LANE=0/2 ... leaderboard & LANE=1/2 ...
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks), from RECORDS/<stage>
@@ -58,7 +60,7 @@ floor() {
     grid model=smollm2-135m task=niah_single_2 limit=10 batch_size=4 policy=full,h2o,local,snapkv budget=0.25 \
         protocol=context results_dir="$out/floor"
 }
-board() {  # board MODEL HAYSTACKS BATCH [OVERRIDE...]: 4 questions per haystack; cwe and fwe (one question) on 4x
+board() {  # board MODEL HAYSTACKS BATCH [OVERRIDE...]: 4 questions per haystack; cwe, fwe and qa_2 (one question) on 4x
     # the documents. One unit is a task and a group of policies (their records are written when the unit ends), the
     # tasks where the full cache scores highest first; LANE=i/n runs every n-th unit from the i-th.
     local model=$1 limit=$2 batch=$3 lane=${LANE:-0/1} unit=0 task group
@@ -66,7 +68,7 @@ board() {  # board MODEL HAYSTACKS BATCH [OVERRIDE...]: 4 questions per haystack
     local -a size
     for task in ${board_tasks//,/ }; do
         case $task in
-            cwe | fwe) size=(limit=$((4 * limit)) batch_size=$((2 * batch))) ;;
+            cwe | fwe | qa_2) size=(limit=$((4 * limit)) batch_size=$((2 * batch))) ;;
             *) size=(task.questions=4 limit="$limit" batch_size="$batch") ;;
         esac
         for group in "${board_groups[@]}"; do
