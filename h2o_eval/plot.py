@@ -383,7 +383,7 @@ RULER_TASKS = (
     "qa_2",
 )
 
-HEADLINE_KEYS = ("model", "protocol", "length", "limit", "policy", "budget")
+HEADLINE_KEYS = ("model", "protocol", "length", "policy", "budget")
 
 
 def tasks_label(tasks: Collection[str]) -> str:
@@ -400,11 +400,15 @@ def _task_order(task: str) -> tuple[int, str]:
 
 
 def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
-    """The headline of each long-context setting (model, protocol, length, limit, policy, budget): ``tasks``,
-    each task's score x100 (its own metric) as a :class:`~h2o_eval.stats.Estimate` with its document-bootstrap
-    interval, and ``mean``, the unweighted mean of those scores, whose interval resamples documents within each
-    task. Records without per-question outputs are left out, with a note."""
+    """The headline of each long-context setting (model, protocol, length, policy, budget): ``tasks``, each
+    task's score x100 (its own metric) as a :class:`~h2o_eval.stats.Estimate` with its document-bootstrap
+    interval, ``limits``, each task's ``limit`` (tasks may be scored on different document counts, as the
+    leaderboard preset scores cwe, fwe and qa_2), and ``mean``, the unweighted mean of those scores, whose
+    interval resamples documents within each task. Records without per-question outputs are left out, with a
+    note. Raises ValueError when a task of one model and length was scored on several limits: which documents
+    stand for it is not the headline's to choose."""
     settings: dict[tuple, dict[str, Any]] = {}
+    limits: dict[tuple, set] = {}
     for row in rows:
         if row["length"] is None:
             continue
@@ -412,23 +416,46 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
         if not scores:
             print(f"note: {row['task']} {row['policy']} has no per-question outputs: left out", file=sys.stderr)
             continue
-        key = (row["model"], row["protocol"], row["length"], row["limit"], row["policy"], row["budget"])
-        setting = settings.setdefault(key, {**dict(zip(HEADLINE_KEYS, key, strict=True)), "tasks": {}, "scores": {}})
+        key = (row["model"], row["protocol"], row["length"], row["policy"], row["budget"])
+        setting = settings.setdefault(
+            key, {**dict(zip(HEADLINE_KEYS, key, strict=True)), "tasks": {}, "scores": {}, "limits": {}}
+        )
         task = row["task"].rsplit("@", 1)[0]
+        limits.setdefault((row["model"], row["length"], task), set()).add(row["limit"])
+        setting["limits"][task] = row["limit"]
         documents, values = zip(*scores.values(), strict=True)
         setting["scores"][task] = ([100 * value for value in values], list(documents))
         setting["tasks"][task] = stats.estimate(*setting["scores"][task])
+    for (model, length, task), found in limits.items():
+        if len(found) > 1:
+            raise ValueError(
+                f"{task} of {model} at {length} tokens was scored on "
+                f"{' and '.join(map(_limit_label, sorted(found, key=_limit_order)))}: "
+                "give each limit's records a results dir of its own"
+            )
     for setting in settings.values():
         setting["tasks"] = dict(sorted(setting["tasks"].items(), key=lambda item: _task_order(item[0])))
         setting["mean"] = stats.mean_over_tasks([setting["scores"].pop(task) for task in setting["tasks"]])
         del setting["scores"]
     return sorted(
         settings.values(),
-        key=lambda s: (
-            (s["model"], s["protocol"], s["length"], _limit_order(s["limit"]), s["policy"] != "full")
-            + (s["policy"], -s["budget"])
-        ),
+        key=lambda s: (s["model"], s["protocol"], s["length"], s["policy"] != "full", s["policy"], -s["budget"]),
     )
+
+
+def limits_label(limits: dict[str, int | float | None]) -> str:
+    """The documents each task was scored on: "limit=5" when they share it, else the most common limit and the
+    tasks of each other one ("limit=5; cwe, fwe, qa_2: 20")."""
+    tasks: dict[int | float | None, list[str]] = {}
+    for task in sorted(limits, key=_task_order):
+        tasks.setdefault(limits[task], []).append(task)
+    common = max(tasks, key=lambda limit: len(tasks[limit]))
+    others = [
+        f"{', '.join(named)}: {limit if limit is not None else 'all documents'}"
+        for limit, named in tasks.items()
+        if limit != common
+    ]
+    return "; ".join([_limit_label(common), *others])
 
 
 def _estimate(estimate: stats.Estimate) -> str:
@@ -438,7 +465,7 @@ def _estimate(estimate: stats.Estimate) -> str:
 def headline_markdown(settings: list[dict[str, Any]]) -> str:
     """The long-context headline as a Markdown table: per setting the mean over tasks and each task's score."""
     tasks = sorted({task for s in settings for task in s["tasks"]}, key=_task_order)
-    limits = len({s["limit"] for s in settings}) > 1
+    limits = len({limits_label(s["limits"]) for s in settings}) > 1
     lines = [
         "Long context: each task's score x100 (RULER's metric: string_match_all, string_match_part for qa) with "
         f"its 95 % interval resampling documents ({stats.RESAMPLES:,} resamples, seed {stats.SEED}); mean: the "
@@ -449,7 +476,7 @@ def headline_markdown(settings: list[dict[str, Any]]) -> str:
         "|---|---|---:|---|---:|---|---|" + "---|" * len(tasks),
     ]
     for s in settings:
-        model = f"{s['model']} ({_limit_label(s['limit'])})" if limits else s["model"]
+        model = f"{s['model']} ({limits_label(s['limits'])})" if limits else s["model"]
         cells = [_estimate(s["tasks"][task]) if task in s["tasks"] else "" for task in tasks]
         lines.append(
             f"| {model} | {s['protocol']} | {s['length']} | {s['policy']} | {_percent(s['budget'])} "
@@ -463,19 +490,15 @@ def _ratio(budget: float) -> float:
 
 
 def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
-    """The long-context settings grouped for leaderboards, one per (model, protocol, length, limit): that
-    protocol's settings, led by the full cache's (of that protocol when there is one, else of another: the full
-    cache holds everything in any)."""
+    """The long-context settings grouped for leaderboards, one per (model, protocol, length): that protocol's
+    settings, led by the full cache's (of that protocol when there is one, else of another: the full cache holds
+    everything in any)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in settings:
         if s["policy"] != "full":
-            groups.setdefault((s["model"], s["protocol"], s["length"], s["limit"]), []).append(s)
-    for (model, protocol, length, limit), group in groups.items():
-        full = [
-            s
-            for s in settings
-            if s["policy"] == "full" and (s["model"], s["length"], s["limit"]) == (model, length, limit)
-        ]
+            groups.setdefault((s["model"], s["protocol"], s["length"]), []).append(s)
+    for (model, protocol, length), group in groups.items():
+        full = [s for s in settings if s["policy"] == "full" and (s["model"], s["length"]) == (model, length)]
         group[:0] = sorted(full, key=lambda s: s["protocol"] != protocol)[:1]
     return groups
 
@@ -485,9 +508,11 @@ def _leaderboard_order(group: list[dict[str, Any]]) -> list[str]:
     return [p for p in REFERENCE_POLICIES if any(s["policy"] == p for s in group)] + policies
 
 
-def _leaderboard_title(key: tuple) -> str:
-    model, protocol, length, limit = key
-    return f"{model}, protocol {protocol}, {length} tokens" + (f", {_limit_label(limit)}" if limit is not None else "")
+def _leaderboard_title(key: tuple, group: list[dict[str, Any]]) -> str:
+    model, protocol, length = key
+    limits = {task: limit for s in group for task, limit in s["limits"].items()}
+    named = any(limit is not None for limit in limits.values())
+    return f"{model}, protocol {protocol}, {length} tokens" + (f", {limits_label(limits)}" if named else "")
 
 
 def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
@@ -497,8 +522,8 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
     tasks = sorted({task for s in group for task in s["tasks"]}, key=_task_order)
     ratios = sorted({_ratio(s["budget"]) for s in group if s["policy"] != "full"})
     lines = [
-        f"Leaderboard: {_leaderboard_title(key)}. Each cell: the unweighted mean over tasks of the score x100 with "
-        f"its 95 % interval resampling documents within each task ({stats.RESAMPLES:,} resamples, seed "
+        f"Leaderboard: {_leaderboard_title(key, group)}. Each cell: the unweighted mean over tasks of the score "
+        f"x100 with its 95 % interval resampling documents within each task ({stats.RESAMPLES:,} resamples, seed "
         f"{stats.SEED}); compression ratio = 1 − budget (kvpress's convention: the share of the "
         f"{BUDGET_SHARE[key[1]].split()[-1]} removed). Tasks: {tasks_label(tasks)} ({', '.join(tasks)})."
         + (" full: the full cache, the ceiling, the same at every ratio." if group[0]["policy"] == "full" else "")
@@ -531,7 +556,7 @@ LEADERBOARD_COLUMNS = (
     "model",
     "protocol",
     "length",
-    "limit",
+    "limits",
     "policy",
     "budget",
     "ratio",
@@ -549,6 +574,7 @@ def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
         {
             **{key: s[key] for key in HEADLINE_KEYS},
+            "limits": limits_label(s["limits"]),
             "ratio": _ratio(s["budget"]),
             "tasks": len(s["tasks"]),
             "score": round(s["mean"].value, 4),
@@ -598,7 +624,7 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
     ax.set(
         xlabel=f"compression ratio (share of {BUDGET_SHARE[key[1]]} removed, 1 − budget)",
         ylabel=f"score (mean of {tasks_label(tasks)}, x100)",
-        title=_leaderboard_title(key),
+        title=_leaderboard_title(key, group),
         ylim=(-2, 102),
     )
     ax.grid(alpha=0.3)
@@ -609,12 +635,11 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
 
 def write_leaderboards(settings: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
     """Each leaderboard of :func:`leaderboards` under ``out`` as ``leaderboard_<model>_<protocol>_<length>``
-    (``_limit<N>`` added when a limit is set) .md, .csv, .png and .pdf; returns the files and the Markdown."""
+    .md, .csv, .png and .pdf; returns the files and the Markdown."""
     out.mkdir(parents=True, exist_ok=True)
     files, texts = [], []
     for key, group in leaderboards(settings).items():
-        model, protocol, length, limit = key
-        stem = f"leaderboard_{model}_{protocol}_{length}" + (f"_limit{limit}" if limit is not None else "")
+        stem = "leaderboard_" + "_".join(map(str, key))
         texts.append(leaderboard_markdown(key, group))
         files.append(out / f"{stem}.md")
         files[-1].write_text(texts[-1])
@@ -718,7 +743,13 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if not rows:
         parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")
-    headline = long_context(rows, args.results_dir)
+    try:
+        headline = long_context(rows, args.results_dir)
+    except ValueError as error:
+        if args.leaderboard:
+            parser.error(str(error))
+        print(f"note: no long-context headline: {error}", file=sys.stderr)
+        headline = []
     if args.leaderboard:
         if not any(s["policy"] != "full" for s in headline):
             parser.error(

@@ -328,7 +328,7 @@ def test_cells_with_several_questions_per_document_are_tested_by_document_and_sa
     assert table[-1].endswith(" | 0.0156 * | sign-flip by document |")
 
 
-def long_record(folder, task, policy, budget, per_document, protocol="context", length=4096, metric=None):
+def long_record(folder, task, policy, budget, per_document, protocol="context", length=4096, metric=None, limit=None):
     """A long-context record whose outputs hold each document's questions (``per_document``: a list of score
     lists), with ids "<document>/<question>" as a haystack of several questions writes them."""
     metric = metric or ("string_match_part" if task.startswith("qa") else "string_match_all")
@@ -340,7 +340,7 @@ def long_record(folder, task, policy, budget, per_document, protocol="context", 
     name = f"{task}_{policy}_{budget}_{protocol}_{length}"
     results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
     record = fake_record(task, policy, budget, 0.0, protocol=protocol)
-    record |= {"length": length, "limit": None, "n_samples": len(outputs), "outputs": f"{name}.outputs.jsonl"}
+    record |= {"length": length, "limit": limit, "n_samples": len(outputs), "outputs": f"{name}.outputs.jsonl"}
     record["metrics"] = {metric: sum(o["scores"][metric] for o in outputs) / len(outputs)}
     results.write_record(folder / f"{name}.json", record)
 
@@ -429,12 +429,40 @@ def test_the_leaderboard_tables_each_policy_by_compression_ratio_the_ceilings_fi
     assert prefill[4].startswith("| full (ceiling) | 100.0") and prefill[5].startswith("| h2o | 20.0 [")
 
 
+def test_tasks_scored_on_different_limits_share_one_leaderboard_and_a_task_on_two_limits_is_refused(tmp_path, capsys):
+    """As the preset scores fwe on 4x the documents: one table per model, whose mean covers every task and whose
+    title names each task's limit; a task scored on two limits of one model and length is refused in one line."""
+    for policy, budget, niah, fwe in (("full", 1.0, 5, 20), ("h2o", 0.5, 3, 10)):
+        long_record(tmp_path, "niah_single_1", policy, budget, [[1]] * niah + [[0]] * (5 - niah), limit=5)
+        long_record(tmp_path, "fwe", policy, budget, [[1]] * fwe + [[0]] * (20 - fwe), limit=20)
+    out = tmp_path / "plots"
+    plot.main([str(tmp_path), "--leaderboard", "--out", str(out)])
+    assert [path.name for path in out.glob("*.md")] == ["leaderboard_tiny-llama_context_4096.md"]
+    lines = (out / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
+    assert lines[0].startswith("Leaderboard: tiny-llama, protocol context, 4096 tokens, limit=5; fwe: 20. ")
+    assert "Tasks: 2/13 tasks (niah_single_1, fwe)" in lines[0]
+    assert lines[5].startswith("| h2o | 55.0 [")  # (3/5 + 10/20) / 2
+    with (out / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
+        assert {row["limits"] for row in csv.DictReader(handle)} == {"limit=5; fwe: 20"}
+    assert plot.limits_label({"cwe": 20, "vt": 5, "niah_single_1": 5, "fwe": 20, "qa_2": None}) == (
+        "limit=5; cwe, fwe: 20; qa_2: all documents"
+    )
+    long_record(tmp_path, "fwe", "h2o", 0.25, [[1]] * 10, limit=10)
+    with pytest.raises(SystemExit):
+        plot.main([str(tmp_path), "--leaderboard", "--out", str(out)])
+    refusal = "fwe of tiny-llama at 4096 tokens was scored on limit=10 and limit=20: give each limit's records a "
+    assert capsys.readouterr().err.strip().endswith(refusal + "results dir of its own")
+    plot.main([str(tmp_path), "--out", str(tmp_path / "all")])
+    assert f"note: no long-context headline: {refusal}" in capsys.readouterr().err
+    assert not (tmp_path / "all" / "headline.md").exists() and (tmp_path / "all" / "summary.md").is_file()
+
+
 def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashed_and_dotted_ceilings(
     leaderboard_dir,
 ):
     rows = plot.table(results.load_records(leaderboard_dir))
     groups = plot.leaderboards(plot.long_context(rows, leaderboard_dir))
-    key = ("tiny-llama", "context", 4096, None)
+    key = ("tiny-llama", "context", 4096)
     ax = plot.leaderboard_figure(key, groups[key]).axes[0]
     handles, labels = ax.get_legend_handles_labels()
     lines = dict(zip(labels, handles, strict=True))
