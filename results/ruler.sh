@@ -22,6 +22,7 @@
 #                 qa_2: 20). qa_2's ten paragraphs per question fill 4k: in SmolLM2's tokens two questions' leave no room for
 #                 a distractor and three do not fit, so it asks one, as RULER does.
 #                 Units of a task and 3 policies; two lanes split them: LANE=0/2 ... leaderboard & LANE=1/2 ...
+#                 (the lanes of one machine take cwe, fwe and qa_2's units one at a time: SmolLM2's peak at 13 GB)
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks), from RECORDS/<stage>
 set -euo pipefail
@@ -63,18 +64,21 @@ floor() {
 board() {  # board MODEL HAYSTACKS BATCH [OVERRIDE...]: 4 questions per haystack; cwe, fwe and qa_2 (one question) on 4x
     # the documents. One unit is a task and a group of policies (their records are written when the unit ends), the
     # tasks where the full cache scores highest first; LANE=i/n runs every n-th unit from the i-th.
-    local model=$1 limit=$2 batch=$3 lane=${LANE:-0/1} unit=0 task group
+    local model=$1 limit=$2 batch=$3 lane=${LANE:-0/1} unit=0 task group exclusive
     shift 3
     local -a size
     for task in ${board_tasks//,/ }; do
         case $task in
-            cwe | fwe | qa_2) size=(limit=$((4 * limit)) batch_size=$((2 * batch))) ;;
-            *) size=(task.questions=4 limit="$limit" batch_size="$batch") ;;
+            cwe | fwe | qa_2) size=(limit=$((4 * limit)) batch_size=$((2 * batch))) exclusive=true ;;
+            *) size=(task.questions=4 limit="$limit" batch_size="$batch") exclusive=false ;;
         esac
         for group in "${board_groups[@]}"; do
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
-            grid +experiment=kv_leaderboard model="$model" task="$task" "${size[@]}" policy="$group" \
-                results_dir="$out/leaderboard" "$@"
+            {  # 4 contexts a batch: SmolLM2's unit peaks at 12.5-13.2 GB, two at once were OOM-killed on 24 GiB
+                ! $exclusive || flock 9
+                grid +experiment=kv_leaderboard model="$model" task="$task" "${size[@]}" policy="$group" \
+                    results_dir="$out/leaderboard" "$@"
+            } 9>"${TMPDIR:-/tmp}/h2o_eval_board.lock"
         done
     done
 }
