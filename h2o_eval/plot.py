@@ -451,7 +451,7 @@ def limits_label(limits: dict[str, int | float | None]) -> str:
         tasks.setdefault(limits[task], []).append(task)
     common = max(tasks, key=lambda limit: len(tasks[limit]))
     others = [
-        f"{', '.join(named)}: {limit if limit is not None else 'all documents'}"
+        f"{', '.join(named)}: {_limit_label(limit).removeprefix('limit=')}"
         for limit, named in tasks.items()
         if limit != common
     ]
