@@ -404,9 +404,10 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
     task's score x100 (its own metric) as a :class:`~h2o_eval.stats.Estimate` with its document-bootstrap
     interval, ``limits``, each task's ``limit`` (tasks may be scored on different document counts, as the
     leaderboard preset scores cwe, fwe and qa_2), and ``mean``, the unweighted mean of those scores, whose
-    interval resamples documents within each task. Records without per-question outputs are left out, with a
-    note. Raises ValueError when a task of one model and length was scored on several limits: which documents
-    stand for it is not the headline's to choose."""
+    interval resamples documents within each task; ``scores`` keeps each task's (scores x100, documents) for a
+    mean over fewer tasks. Records without per-question outputs are left out, with a note. Raises ValueError
+    when a task of one model and length was scored on several limits: which documents stand for it is not the
+    headline's to choose."""
     settings: dict[tuple, dict[str, Any]] = {}
     limits: dict[tuple, set] = {}
     for row in rows:
@@ -435,8 +436,7 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
             )
     for setting in settings.values():
         setting["tasks"] = dict(sorted(setting["tasks"].items(), key=lambda item: _task_order(item[0])))
-        setting["mean"] = stats.mean_over_tasks([setting["scores"].pop(task) for task in setting["tasks"]])
-        del setting["scores"]
+        setting["mean"] = stats.mean_over_tasks([setting["scores"][task] for task in setting["tasks"]])
     return sorted(
         settings.values(),
         key=lambda s: (s["model"], s["protocol"], s["length"], s["policy"] != "full", s["policy"], -s["budget"]),
@@ -492,7 +492,9 @@ def _ratio(budget: float) -> float:
 def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     """The long-context settings grouped for leaderboards, one per (model, protocol, length): that protocol's
     settings, led by the full cache's (of that protocol when there is one, else of another: the full cache holds
-    everything in any)."""
+    everything in any). Every cell of a leaderboard is a mean over the same tasks, those all its settings have:
+    a setting with more is narrowed to them, its ``left_out`` naming the others (a run under way, a policy not
+    run on a task). Raises ValueError when its settings share no task."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in settings:
         if s["policy"] != "full":
@@ -500,7 +502,29 @@ def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, A
     for (model, protocol, length), group in groups.items():
         full = [s for s in settings if s["policy"] == "full" and (s["model"], s["length"]) == (model, length)]
         group[:0] = sorted(full, key=lambda s: s["protocol"] != protocol)[:1]
+        shared = set.intersection(*(set(s["tasks"]) for s in group))
+        if not shared:
+            raise ValueError(
+                f"the leaderboard of {model}, protocol {protocol}, {length} tokens has no task that every policy ran "
+                "at every ratio: run the missing cells, or plot fewer policies or tasks (--model, --task)"
+            )
+        group[:] = [_narrowed(s, shared) for s in group]
     return groups
+
+
+def _narrowed(setting: dict[str, Any], tasks: set[str]) -> dict[str, Any]:
+    left_out = [task for task in setting["tasks"] if task not in tasks]
+    if not left_out:
+        return {**setting, "left_out": []}
+    kept = [task for task in setting["tasks"] if task in tasks]
+    return {
+        **setting,
+        "tasks": {task: setting["tasks"][task] for task in kept},
+        "limits": {task: setting["limits"][task] for task in kept},
+        "scores": {task: setting["scores"][task] for task in kept},
+        "mean": stats.mean_over_tasks([setting["scores"][task] for task in kept]),
+        "left_out": left_out,
+    }
 
 
 def _leaderboard_order(group: list[dict[str, Any]]) -> list[str]:
@@ -515,10 +539,20 @@ def _leaderboard_title(key: tuple, group: list[dict[str, Any]]) -> str:
     return f"{model}, protocol {protocol}, {length} tokens" + (f", {limits_label(limits)}" if named else "")
 
 
+def _left_out_label(group: list[dict[str, Any]]) -> str:
+    left_out = sorted({task for s in group for task in s.get("left_out", [])}, key=_task_order)
+    if not left_out:
+        return ""
+    counts = [
+        f"{task} (in {sum(task in s.get('left_out', []) for s in group)} of {len(group)} cells)" for task in left_out
+    ]
+    return f" Left out, not in every cell: {', '.join(counts)}."
+
+
 def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
     """One leaderboard as a Markdown table: a row per policy (the full cache's ceiling first, the oracle next), a
-    column per compression ratio, each cell the mean over tasks x100 with its 95 % interval; a cell whose mean
-    covers other tasks than the leaderboard's says how many."""
+    column per compression ratio, each cell the mean over the leaderboard's tasks x100 with its 95 % interval;
+    the tasks some cells lack are named, with how many cells have them."""
     tasks = sorted({task for s in group for task in s["tasks"]}, key=_task_order)
     ratios = sorted({_ratio(s["budget"]) for s in group if s["policy"] != "full"})
     lines = [
@@ -526,6 +560,7 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
         f"x100 with its 95 % interval resampling documents within each task ({stats.RESAMPLES:,} resamples, seed "
         f"{stats.SEED}); compression ratio = 1 − budget (kvpress's convention: the share of the "
         f"{BUDGET_SHARE[key[1]].split()[-1]} removed). Tasks: {tasks_label(tasks)} ({', '.join(tasks)})."
+        + _left_out_label(group)
         + (" full: the full cache, the ceiling, the same at every ratio." if group[0]["policy"] == "full" else "")
         + (
             " oracle: compression by the attention of the question and the full cache's answer, not deployable."
@@ -540,13 +575,7 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
         cells = []
         for ratio in ratios:
             found = [s for s in group if s["policy"] == policy and (policy == "full" or _ratio(s["budget"]) == ratio)]
-            if not found:
-                cells.append("")
-                continue
-            covered = found[0]["tasks"]
-            cells.append(
-                _estimate(found[0]["mean"]) + ("" if len(covered) == len(tasks) else f" ({tasks_label(covered)})")
-            )
+            cells.append(_estimate(found[0]["mean"]) if found else "")
         name = {"full": "full (ceiling)", "oracle": ORACLE_LABEL}.get(policy, policy)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -756,7 +785,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"no long-context records of a policy with per-question outputs in {args.results_dir}: "
                 "run long-context tasks at several budgets first (such as the kv_leaderboard preset)"
             )
-        files, text = write_leaderboards(headline, args.out or args.results_dir / "plots")
+        try:
+            files, text = write_leaderboards(headline, args.out or args.results_dir / "plots")
+        except ValueError as error:
+            parser.error(str(error))
         print("\n".join(map(str, files)))
         print(text)
         return
