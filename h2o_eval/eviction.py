@@ -223,7 +223,9 @@ def attend_chunk_reference(query: torch.Tensor, key: torch.Tensor, value: torch.
     if bool(in_prompt.any()) and state:
         raise ValueError("prompt rows need an empty cache: prefill a chunk before any other")
     prompt_weights = rule.prompt_weights(in_prompt)
-    last_prompt_row = torch.where(in_prompt.any(-1), (in_prompt * torch.arange(1, n + 1)).amax(-1) - 1, -1)
+    last_prompt_row = torch.where(
+        in_prompt.any(-1), (in_prompt * torch.arange(1, n + 1, device=query.device)).amax(-1) - 1, -1
+    )
     kept = None
 
     def evict_one(where: torch.Tensor, now: torch.Tensor) -> None:
@@ -287,7 +289,7 @@ def _reference_compress(held, scores, position, capacity, chunk, now, compressin
                     candidate = held[b, h] & ~protected[b, h]
                     held[b, h, _lowest(scores[b, h], position[b, h], candidate)] = False
             continue
-        sure = torch.zeros(kv_heads, slots, dtype=torch.bool)
+        sure = torch.zeros(kv_heads, slots, dtype=torch.bool, device=held.device)
         for h in range(kv_heads):
             candidate = held[b, h] & ~protected[b, h]
             room = int(capacity[b, h]) - int((held[b, h] & protected[b, h]).sum())
@@ -464,7 +466,7 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
             gather = index.to(device).expand(batch, kv_heads, width).unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
             live_keys, live_values = key.gather(2, gather), value.gather(2, gather)
         else:
-            index = torch.arange(width).expand(batch, sets, width)
+            index = torch.arange(width, device="cpu").expand(batch, sets, width)  # numpy indices for the scan
             live_keys, live_values = key[:, :, :width], value[:, :, :width]
         index = index.numpy()
         np.put_along_axis(column, index, np.arange(width), axis=-1)

@@ -473,3 +473,29 @@ def test_fraction_budget_without_a_length_is_refused_token_by_token(models):
     cache = EvictionCache(model, make_policy("h2o", budget=0.2))
     with pytest.raises(ConfigError, match="a fraction budget needs a length"):
         model(tokens(1, 1), cache=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "auto", "triton"])
+def test_no_tensor_of_the_mechanism_is_made_on_a_fixed_device(kernels):
+    """Every registered policy in every protocol, prompt and decode steps, with torch's default device set to
+    ``meta``: a tensor built without the device of its inputs lands there and the run fails (a CUDA run would
+    fail the same way on a tensor built on the CPU)."""
+    from h2o_eval import generation
+
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(5, 400, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    for name in POLICIES:
+        policy = example_policy(name)
+        for protocol in policy.protocols:
+            with torch.device("meta"):
+                if protocol == "simulate":
+                    with patch(model, policy, protocol="simulate", kernels=kernels):
+                        model(ids, attention_mask=mask)
+                elif policy.has_cache:
+                    batch = generation.Batch(ids, mask, 8 if protocol == "context" else None)
+                    generation.generate(
+                        model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, max_new_tokens=3,
+                        do_sample=False,
+                    )  # fmt: skip

@@ -16,7 +16,8 @@ def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dim = cos.shape[-1]
     half = dim // 2
     swap = torch.zeros(dim, dim, dtype=cos.dtype, device=cos.device)
-    swap[half:, :half], swap[:half, half:] = torch.eye(half), -torch.eye(half)
+    block = torch.eye(half, dtype=cos.dtype, device=cos.device)
+    swap[half:, :half], swap[:half, half:] = block, -block
     eye = torch.eye(dim, dtype=cos.dtype, device=cos.device)
     return (cos.unsqueeze(1) * eye + sin.unsqueeze(1) * swap).mean(dim=0)
 

@@ -153,8 +153,8 @@ class KVzip(Policy):
                 continue
             flat = torch.cat([value[~value.isnan()] for value in ranked])
             gone = pruned(flat.numel(), self.budget, kv_heads * len(ranked))
-            counts = torch.tensor([int((~value.isnan()).sum()) for value in ranked])
-            layer_of = torch.repeat_interleave(torch.arange(len(ranked)), counts)
+            counts = torch.stack([(~value.isnan()).sum() for value in ranked])
+            layer_of = torch.repeat_interleave(torch.arange(len(ranked), device=counts.device), counts)
             lowest = flat.argsort(stable=True)[:gone]
             dropped = torch.bincount(layer_of[lowest], minlength=len(ranked))
             for layer in range(len(ranked)):
