@@ -133,6 +133,11 @@ class EvictionLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         owner = self.owner
+        if owner.deferred and self.seen and owner.rehearsing is None:
+            raise RuntimeError(
+                f"policy {owner.policy.name!r} compresses its prompt after extra passes, which have not run: call "
+                "cache.compress(model, tokenizer, input_ids) after the prompt, before feeding more tokens"
+            )
         step = self.window is None and key_states.shape[2] == 1 and self.seen > 0 and owner.rehearsing is None
         if step and self.unbounded and owner.rule.decode_votes == DecodeVote.NONE:
             # A cache that can no longer evict and whose scores no longer change: the token goes at the end.
@@ -418,7 +423,7 @@ class EvictionLayer(CacheLayerMixin):
         self.real_seen = self.real_seen + arriving.sum(-1)
         self.owner.peak_entries = max(self.owner.peak_entries, int(self.held.sum(-1).max()))
 
-    def fork(self, owner: EvictionCache, rows: torch.Tensor) -> EvictionLayer:
+    def fork(self, owner: EvictionCache, rows: list[int]) -> EvictionLayer:
         """A copy of this layer's state for sequences ``rows`` (indices), belonging to ``owner``."""
         if self.pending is not None or self.slot is not None:
             raise RuntimeError("a cache can be forked between forwards only")
@@ -427,9 +432,9 @@ class EvictionLayer(CacheLayerMixin):
         layer.unbounded = self.unbounded
         for name in ("keys", "values", "held", "position", "scores", "real_seen", "kept", "rehearsed"):
             value = getattr(self, name, None)
-            setattr(layer, name, None if value is None else value.index_select(0, rows.to(value.device)).clone())
+            setattr(layer, name, None if value is None else value[torch.tensor(rows, device=value.device)])
         if self.plan is not None:
-            layer.plan = {key: value.index_select(0, rows.to(value.device)).clone() for key, value in self.plan.items()}
+            layer.plan = {key: value[torch.tensor(rows, device=value.device)] for key, value in self.plan.items()}
         return layer
 
     def grown_view(self, owner: EvictionCache) -> EvictionLayer:
@@ -537,6 +542,27 @@ class EvictionCache(Cache):
             return None
         return functools.partial(self.rotary, layer)
 
+    def compress(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        questions: list[list[int]] | None = None,
+        **generate_kwargs: Any,
+    ) -> None:
+        """Compress the prompt this cache was fed (``input_ids``, left-padded as ``attention_mask`` says) by a
+        policy's extra passes: KVzip's repeat of the context, the oracle's question and full-cache answer. They run
+        through ``model`` now, their own keys and values are dropped, and each KV head keeps its C. Any other
+        policy compressed its prompt as it came: nothing happens. ``questions``: per sequence the question's
+        token ids (the oracle's passes need them; under ``protocol="context"`` they come after the compressed
+        context); ``generate_kwargs``: how the full-cache answer is generated (greedy by default)."""
+        from h2o_eval.generation import settle
+
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        asked = [[] for _ in range(input_ids.shape[0])] if questions is None else questions
+        settle(model, self, tokenizer, input_ids, mask, asked, **({"do_sample": False} | generate_kwargs))
+
     @contextlib.contextmanager
     def rehearsal(self, index: int, script: Script) -> Iterator[None]:
         """Within the block, forwards through this cache are extra pass ``index`` (built from ``script``) of a
@@ -584,12 +610,11 @@ class EvictionCache(Cache):
         """A copy of this cache's state for the sequences ``rows``, which then evolves alone: several questions
         are answered from one compressed context, each from its own copy, none seeing another's tokens. It costs
         a copy of what the cache holds (at most C entries per layer and KV head) for the rows."""
-        index = torch.tensor(rows, dtype=torch.int64)
         clone = copy.copy(self)
         clone.lengths = None if self.lengths is None else [self.lengths[r] for r in rows]
         clone.length = clone.lengths
         clone.prompt = None if self.prompt is None else [self.prompt[r] for r in rows]
-        clone.layers = [layer.fork(clone, index) for layer in self.layers]
+        clone.layers = [layer.fork(clone, rows) for layer in self.layers]
         return clone
 
     def full_copy(self) -> EvictionCache:
@@ -603,8 +628,7 @@ class EvictionCache(Cache):
         clone = copy.copy(self)
         clone.policy, clone.deferred, clone.script = policy, False, None
         clone.rule = dataclasses.replace(policy.rule, grows=True) if self.decoding == "grow" else policy.rule
-        rows = torch.arange(len(self.lengths))
-        clone.layers = [layer.fork(clone, rows) for layer in self.layers]
+        clone.layers = [layer.fork(clone, list(range(len(self.lengths)))) for layer in self.layers]
         for layer in clone.layers:
             if layer.plan is not None:
                 kv_heads, device = layer.held.shape[1], layer.held.device
@@ -690,9 +714,8 @@ class EvictionCache(Cache):
 
     def realised(self) -> list[torch.Tensor]:
         """Per layer, [B, Hkv] the capacity realised per sequence and KV head (see :meth:`EvictionLayer.realised`)."""
-        lengths = torch.tensor(self.lengths)
         return [
-            layer.realised(lengths.to(layer.held.device))
+            layer.realised(torch.tensor(self.lengths, device=layer.held.device))
             for layer in self.layers
             if layer.window is not None or layer.plan is not None
         ]

@@ -312,3 +312,44 @@ def test_context_batches_need_questions_of_one_length(tiny):
     _, tokenizer = tiny
     with pytest.raises(ValueError, match="questions of one length"):
         encode(tokenizer, [("A.", "Why?"), ("B.", "Why on earth would it?")], "context")
+
+
+def test_kvzip_through_the_public_api_holds_c_slots_once_compress_ran(tiny):
+    """The README's path: feed the context through an EvictionCache, call ``cache.compress``: KVzip's passes run
+    and the cache holds C of the context's tokens per layer and KV head (KVzip shares the model's C x layers x
+    heads slots out across them), as the runners' own path (``settle``) leaves it."""
+    model, tokenizer = tiny
+    context = torch.randint(5, 400, (1, 120))
+    cache = EvictionCache(model, make_policy("kvzip", budget=30), protocol="context")
+    model(context, cache=cache, use_cache=True)
+    assert [int(layer.held.sum(-1).max()) for layer in cache.layers] == [120, 120]  # whole until the passes ran
+    cache.compress(model, tokenizer, context)
+    assert sum(int(layer.held.sum()) for layer in cache.layers) == 30 * 2 * 2
+    assert cache.capacity().tolist() == [30.0]
+    runner = EvictionCache(model, make_policy("kvzip", budget=30), protocol="context")
+    model(context, cache=runner, use_cache=True)
+    settle(model, runner, tokenizer, context, torch.ones_like(context), [[]])
+    for mine, theirs in zip(cache.layers, runner.layers, strict=True):
+        assert torch.equal(mine.held, theirs.held) and torch.equal(mine.keys, theirs.keys)
+    held = [layer.held.sum(-1) for layer in cache.layers]
+    model(torch.randint(5, 400, (1, 4)), cache=cache, use_cache=True)  # the question follows the compressed context
+    assert all(torch.equal(layer.held.sum(-1), before + 4) for layer, before in zip(cache.layers, held, strict=True))
+
+
+@pytest.mark.parametrize("name", [n for n in POLICIES if example_policy(n).rehearses])
+def test_a_prompt_waiting_for_its_passes_refuses_the_next_tokens_naming_compress(tiny, name):
+    model, tokenizer = tiny
+    cache = EvictionCache(model, example_policy(name), protocol="context")
+    model(torch.randint(5, 400, (1, 40)), cache=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match=r"call cache\.compress\(model, tokenizer, input_ids\)"):
+        model(torch.randint(5, 400, (1, 1)), cache=cache, use_cache=True)
+
+
+def test_compress_leaves_a_policy_without_passes_as_it_compressed_itself(tiny):
+    model, tokenizer = tiny
+    context = torch.randint(5, 400, (1, 60))
+    cache = EvictionCache(model, make_policy("snapkv", budget=20), protocol="context")
+    model(context, cache=cache, use_cache=True)
+    held = [layer.held.clone() for layer in cache.layers]
+    cache.compress(model, tokenizer, context)
+    assert all(torch.equal(before, layer.held) for before, layer in zip(held, cache.layers, strict=True))
