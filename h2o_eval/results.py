@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import data
+from h2o_eval import data, settings
 from h2o_eval.policies import configured_policy
 from h2o_eval.runners import runner_of
 
@@ -50,6 +51,9 @@ RECORD_KEYS = (
 )
 
 
+UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]")  # characters a record's name replaces with _
+
+
 class UnreadableRecord(ValueError):
     """A file where a record should be that is not one (truncated, not JSON, or without a record's keys)."""
 
@@ -60,13 +64,27 @@ def identity(config: dict[str, Any]) -> dict[str, Any]:
     whatever the config spelled out), and the data it reads: ``hub``, or the hash of the local files' content (see
     :func:`h2o_eval.data.fingerprint`; for ``task=lm_eval`` with ``task.include_path`` also the task's YAMLs, whose
     folder, like ``data_dir``, is not identity)."""
-    runner = runner_of(config["task"])
+    return _identity(config, configured_policy(config).describe(), data_fingerprint(config))
+
+
+def record_identity(record: dict[str, Any]) -> dict[str, Any]:
+    """:func:`identity` of a stored record, from what it holds (its config, built policy and data hash): nothing is
+    rebuilt or read again."""
+    return _identity(record["config"], record["policy_params"], record["data"])
+
+
+def _identity(config: dict[str, Any], built_policy: dict[str, Any], data_hash: str) -> dict[str, Any]:
     ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY and key != "generation"}
     ident["task"] = {key: value for key, value in config["task"].items() if key != "include_path"}
-    ident |= runner.identity(config)
-    ident["built_policy"] = configured_policy(config).describe()
-    ident["data"] = data_fingerprint(config)
+    ident |= runner_of(config["task"]).identity(config)
+    ident["built_policy"] = built_policy
+    ident["data"] = data_hash
     return ident
+
+
+def digest(ident: dict[str, Any]) -> str:
+    """The hash that ends a record's file name (the first 10 hex digits of the identity's SHA-256)."""
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
 def data_fingerprint(config: dict[str, Any]) -> str:
@@ -75,21 +93,36 @@ def data_fingerprint(config: dict[str, Any]) -> str:
 
 
 def record_path(results_dir: str | Path, config: dict[str, Any]) -> Path:
-    """``<results_dir>/<model>__<task>__<policy>__b<budget>__<protocol>__<k>shot__<hash>.json``."""
+    """``<results_dir>/<model>__<task>[-<length>]__<policy>[+<parameter>=<value>...]__b<budget>__<protocol>
+    [-<decoding>]__[<K>q__]<k>shot__<hash>.json``: the prompt length and questions per context of a long-context
+    task, the decoding rule after a compression and every policy parameter that departs from the policy's YAML
+    (:func:`h2o_eval.settings.policy_departures`) are in the name; every other setting is in the hash of the
+    identity (:func:`identity`)."""
     ident = identity(config)
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    task, protocol = config["task"], str(config["protocol"])
+    params = settings.policy_departures(ident["built_policy"])
     name = "__".join(
         [
             config["model"]["name"],
-            config["task"]["name"],
-            config["policy"]["name"],
+            task["name"] + (f"-{task['length']}" if task.get("length") is not None else ""),
+            "+".join([config["policy"]["name"], *(f"{k.removeprefix('policy.')}={v}" for k, v in params.items())]),
             f"b{config['budget']}",
-            str(config["protocol"]),
+            protocol + (f"-{config['decoding']}" if protocol != "simulate" else ""),
+            *([f"{count}q"] if (count := settings.questions(config)) is not None else []),
             f"{config['num_fewshot']}shot",
-            digest,
+            digest(ident),
         ]
     )
-    return Path(results_dir) / f"{name}.json"
+    return Path(results_dir) / f"{UNSAFE.sub('_', name)}.json"
+
+
+def stored(path: Path) -> Path | None:
+    """The record of ``path``'s setting if one is stored: at ``path``, or under the name an earlier version gave
+    the same identity (the same hash), which is then still that setting's record."""
+    if path.exists():
+        return path
+    digest_part = path.stem.rsplit("__", 1)[-1]
+    return next(iter(sorted(path.parent.glob(f"*__{digest_part}.json"))), None)
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
@@ -176,15 +209,24 @@ def set_aside(path: Path) -> Path:
     return target
 
 
-def load_records(results_dir: str | Path) -> list[dict[str, Any]]:
-    """Every record directly under ``results_dir``. Temp files of unfinished writes are ignored; a file that is
-    not a record is skipped with a warning naming it, so one bad file never hides the others."""
-    records = []
+def read_records(results_dir: str | Path) -> tuple[list[dict[str, Any]], list[UnreadableRecord]]:
+    """Every record directly under ``results_dir``, and why each file there that is not one was skipped (temp
+    files of unfinished writes are no records and are ignored)."""
+    records, unreadable = [], []
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
             records.append(read_record(path))
         except UnreadableRecord as error:
-            print(f"warning: skipped {error}", file=sys.stderr)
+            unreadable.append(error)
+    return records, unreadable
+
+
+def load_records(results_dir: str | Path) -> list[dict[str, Any]]:
+    """:func:`read_records`' records, each file skipped named in a warning, so one bad file never hides the
+    others."""
+    records, unreadable = read_records(results_dir)
+    for error in unreadable:
+        print(f"warning: skipped {error}", file=sys.stderr)
     return records
 
 

@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import results, tracking
+from h2o_eval import results, settings, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol, configured_policy
 from h2o_eval.runners import Evaluation, runner_of
@@ -105,14 +105,15 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
 
 
 def existing(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
-    """The record already at ``path``, unless ``overwrite``; an unreadable one is moved aside, with a warning, and
-    the setting is run again (None)."""
-    if config["overwrite"] or not path.exists():
+    """The record of ``path``'s setting (:func:`~h2o_eval.results.stored`), unless ``overwrite``; an unreadable one
+    is moved aside, with a warning, and the setting is run again (None)."""
+    found = None if config["overwrite"] else results.stored(path)
+    if found is None:
         return None
     try:
-        return results.read_record(path)
+        return results.read_record(found)
     except results.UnreadableRecord as error:
-        print(f"warning: {error}; moved to {results.set_aside(path)}, running it again", file=sys.stderr)
+        print(f"warning: {error}; moved to {results.set_aside(found)}, running it again", file=sys.stderr)
         return None
 
 
@@ -125,7 +126,7 @@ def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, 
     path = results.record_path(config["results_dir"], config)
     with results.exclusive(path):
         if (record := existing(config, path)) is not None:
-            print(f"skipped: {path} exists (overwrite=true reruns it)")
+            print(f"skipped: {results.stored(path)} exists (overwrite=true reruns it)")
             print(summary_line(record))
             return "skipped", record
         record = compute([config], work_dir)[0]
@@ -253,14 +254,27 @@ def record_failure(config: dict[str, Any], error: BaseException) -> Path:
 
 
 def summary_line(record: dict[str, Any]) -> str:
+    """One line naming the run's setting (with the prompt length, the questions per context, the decoding rule
+    and every departure from the defaults: :mod:`h2o_eval.settings`), its scores and its wall time."""
+    config = record["config"]
     scores = "  ".join(
         f"{name}={value:.4f}" for name, value in record["metrics"].items() if not name.endswith("_stderr")
     )
     kept = f" (kept {record['capacity']['kept_fraction_mean']:.0%})" if "capacity" in record else ""
+    found = settings.departures(config, record["policy_params"])
+    params = [settings.label(key, value) for key, value in found.items() if key.startswith("policy.")]
+    named = ("decoding", "task.questions")
+    others = [
+        settings.label(key, value) for key, value in found.items() if not key.startswith("policy.") and key not in named
+    ]
+    task = record["task"]
+    if (count := settings.questions(config)) is not None:
+        task += f" ({config['task']['length']} tokens, {settings.questions_label(count)})"
+    protocol = record["protocol"] + (f" decoding={config['decoding']}" if record["protocol"] != "simulate" else "")
     return (
-        f"{record['model']} | {record['task']} | {record['policy']} budget={record['budget']}{kept} "
-        f"{record['protocol']} {record['num_fewshot']}-shot | n={record['n_samples']} | {scores} "
-        f"| {record['wall_seconds']:.1f} s"
+        f"{record['model']} | {task} | {' '.join([record['policy'], *params])} budget={record['budget']}{kept} "
+        f"{protocol} {record['num_fewshot']}-shot{''.join(f' {o}' for o in others)} "
+        f"| n={record['n_samples']} | {scores} | {record['wall_seconds']:.1f} s"
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from h2o_eval.eviction import Chunk  # noqa: E402
-from h2o_eval.policies import POLICIES, Rule, example_policy  # noqa: E402
+from h2o_eval.policies import POLICIES, Rule, configured_policy, example_policy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Every tiny random family (conf/model/tiny-*.yaml); tiny-gemma3's sliding layers (window 8) are crossed by every
@@ -75,6 +77,22 @@ def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
     with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=args)
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+@functools.cache
+def _record_settings(task: str, policy: str, budget: float | int, protocol: str, overrides: tuple) -> str:
+    config = make_config(
+        None, Path("results"), model="tiny-llama", task=task, policy=policy, budget=budget, protocol=protocol,
+        **dict(overrides),
+    )  # fmt: skip
+    return json.dumps({"config": config, "policy_params": configured_policy(config).describe(), "data": "hub"})
+
+
+def record_settings(task: str, policy: str, budget: float | int, protocol: str = "simulate", **overrides) -> dict:
+    """What a record holds of its setting (``config``, ``policy_params``, ``data``), for a record written by a test:
+    the config ``python -m h2o_eval model=tiny-llama task=... policy=... budget=... protocol=...`` with
+    ``overrides`` (``**{"policy.window": 8}``) would run."""
+    return json.loads(_record_settings(task, policy, budget, protocol, tuple(sorted(overrides.items()))))
 
 
 def registered(protocol: str, *, cache: bool = True, evicting: bool = False, passes: bool = True) -> list[str]:

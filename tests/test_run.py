@@ -10,11 +10,13 @@ import threading
 import time
 
 import pytest
+import test_plot
 from conftest import make_config
 
 from h2o_eval import hub, results, stats, tracking
 from h2o_eval.errors import ConfigError
-from h2o_eval.run import _warn_tiny_budget, execute, run, validate
+from h2o_eval.policies import configured_policy
+from h2o_eval.run import _warn_tiny_budget, execute, run, summary_line, validate
 
 
 @pytest.fixture
@@ -409,3 +411,36 @@ def test_a_record_names_the_commit_its_run_started_from(tmp_path, data_dir, comm
     status, record = execute(config, tmp_path / "work")
     assert status == "ran" and record["git"] == {"commit": "started", "dirty": False}
     assert results.read_record(results.record_path(tmp_path / "results", validate(config)))["git"] == record["git"]
+
+
+def test_record_name_and_summary_line_name_length_questions_decoding_and_policy_parameters(tmp_path, data_dir):
+    config = validate(
+        make_config(
+            data_dir, tmp_path, model="tiny-llama", task="niah_single_2", policy="snapkv", budget=0.5,
+            protocol="context", decoding="grow", **{"policy.window": 8, "task.questions": 2, "task.length": 1024},
+        )
+    )  # fmt: skip
+    name = results.record_path(tmp_path, config).name
+    assert name.startswith("tiny-llama__niah_single_2-1024__snapkv+window=8__b0.5__context-grow__2q__0shot__")
+    default = validate(
+        make_config(data_dir, tmp_path, model="tiny-llama", task="copa", policy="snapkv", protocol="prefill")
+    )
+    assert results.record_path(tmp_path, default).name.startswith("tiny-llama__copa__snapkv__b0.2__prefill-evict__0")
+    record = {
+        "config": config, "policy_params": configured_policy(config).describe(), "model": "tiny-llama",
+        "task": "niah_single_2", "policy": "snapkv", "budget": 0.5, "protocol": "context", "num_fewshot": 0,
+        "metrics": {"string_match_all": 0.5}, "n_samples": 4, "wall_seconds": 1.0,
+    }  # fmt: skip
+    line = summary_line(record)
+    assert "niah_single_2 (1024 tokens, 2 questions per context)" in line
+    assert "snapkv window=8 budget=0.5 context decoding=grow 0-shot |" in line
+
+
+def test_a_record_stored_under_an_earlier_name_of_its_setting_is_found(tmp_path, data_dir, capsys):
+    config = validate(make_config(data_dir, tmp_path, model="tiny-llama", task="copa", limit=2, policy="full"))
+    path = results.record_path(tmp_path, config)
+    earlier = tmp_path / f"tiny-llama__copa__full__b1.0__simulate__0shot__{path.stem.rsplit('__', 1)[1]}.json"
+    record = {**test_plot.fake_record("copa", "full", 1.0, 0.5), "wall_seconds": 1.0}
+    results.write_record(earlier, record)
+    assert execute(config) == ("skipped", record)
+    assert f"skipped: {earlier} exists" in capsys.readouterr().out
