@@ -32,8 +32,9 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import figures, plot_needle, stats
-from h2o_eval.results import load_records
+from h2o_eval import figures, plot_needle, results, stats
+from h2o_eval.results import read_records
+from h2o_eval.settings import flatten, report_labels
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
 PRIMARY_METRIC = {"xsum": "rouge2", "cnn_dailymail": "rouge2"}
@@ -55,20 +56,31 @@ COLUMNS = (
 def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
     """One row per run with a fraction budget: the task's primary metric (the record's ``metric``, else ``acc``,
     ``rouge2`` for summarisation, ``string_match_all`` or ``string_match_part`` for long context) unless ``metric``
-    names another, sorted by task, model, protocol, policy and budget. Of records that agree on every column but
-    the numbers, the newest is kept. A long-context task is one task per prompt length (``niah_single@4096``):
-    its documents, and so its comparisons, differ with it."""
-    newest: dict[tuple, dict[str, Any]] = {}
-    for record in sorted(records, key=lambda r: r["created"]):
+    names another, sorted by task, model, protocol, policy and budget. A long-context task is one task per prompt
+    length (``niah_single@4096``): its documents, and so its comparisons, differ with it.
+
+    A row's ``policy`` is its label: the policy's name (``method``) and each departure from the defaults that not
+    every row shares (``snapkv (window=8)``, ``h2o (decoding=grow)``, ``full (4 questions per context)``:
+    :func:`h2o_eval.settings.report_labels`); ``shared`` names those every row shares. Of records that are one
+    setting (one identity), the newest is kept; two records that would share a row with different identities
+    (data files that changed, say) raise ValueError naming what differs."""
+    kept = []
+    for record in records:
         name = metric or stats.primary_metric(record, PRIMARY_METRIC.get(record["task"], "acc"))
-        if name not in record["metrics"] or not isinstance(record["budget"], float):
-            continue
+        if name in record["metrics"] and isinstance(record["budget"], float):
+            kept.append((record, name))
+    own, shared = report_labels([r["config"] for r, _ in kept], [r["policy_params"] for r, _ in kept])
+    newest: dict[tuple, dict[str, Any]] = {}
+    for (record, name), departures in sorted(zip(kept, own, strict=True), key=lambda item: item[0][0]["created"]):
         row = {
             "task": record["task"] + (f"@{record['length']}" if "length" in record else ""),
             "length": record.get("length"),
             "model": record["model"],
             "protocol": record["protocol"],
-            "policy": record["policy"],
+            "policy": record["policy"] + (f" ({', '.join(departures.values())})" if departures else ""),
+            "method": record["policy"],
+            "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
+            "shared": tuple(shared),
             "budget": record["budget"],
             "metric": name,
             "value": record["metrics"][name],
@@ -79,14 +91,38 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "outputs": record.get("outputs"),
             "wall_seconds": record.get("wall_seconds"),
             "created": record["created"],
+            "identity": results.record_identity(record),
         }
-        newest[tuple(row[c] for c in COLUMNS if c not in ("value", "stderr", "n_samples"))] = row
+        key = tuple(row[c] for c in COLUMNS if c not in ("value", "stderr", "n_samples"))
+        if key in newest:
+            _check_one_setting(newest[key], row)
+        newest[key] = row
     return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
 
 
+def _check_one_setting(older: dict[str, Any], newer: dict[str, Any]) -> None:
+    """Two records that would be one row: reruns of one setting (kept: the newer), or different settings that no
+    label tells apart, refused in one line naming what differs."""
+    before, after = flatten(older["identity"]), flatten(newer["identity"])
+    differ = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
+    if differ:
+        raise ValueError(
+            f"{newer['task']} {newer['model']} {newer['policy']} {newer['protocol']} at {_percent(newer['budget'])}: "
+            f"two records differ in {', '.join(differ)}, which no report column shows: plot them from separate "
+            "results dirs"
+        )
+
+
+def shared_note(rows: list[dict[str, Any]]) -> str:
+    """The settings every row of a report shares beyond its columns (``decoding=grow, 4 questions per context``),
+    as a clause for a title, or ""."""
+    return ", ".join(rows[0]["shared"]) if rows else ""
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (value ± stderr)."""
+    """The rows as a Markdown table (value ± stderr), after the settings every row shares."""
     lines = [
+        *([f"Every row, where it applies: {shared_note(rows)}.", ""] if shared_note(rows) else []),
         "| task | model | protocol | policy | budget | metric | value | n | shots | limit |",
         "|---|---|---|---|---:|---|---:|---:|---:|---:|",
     ]
@@ -141,10 +177,10 @@ def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
     """A Markdown table with a row per (task, model) and a column per policy (and protocol) at ``budget``,
     beside the full cache: the comparison a budget is chosen for. Values are ``value ± stderr``; a setting
     that has no record is left empty. Records of a task scored on different ``limit``s get a row each."""
-    columns = sorted({(r["policy"], r["protocol"]) for r in rows if r["policy"] != "full" and r["budget"] == budget})
+    columns = sorted({(r["policy"], r["protocol"]) for r in rows if r["method"] != "full" and r["budget"] == budget})
     keys = sorted({(r["task"], r["model"], r["limit"]) for r in rows}, key=lambda k: (*k[:2], _limit_order(k[2])))
     cell = {(r["task"], r["model"], r["limit"], r["policy"], r["protocol"]): r for r in rows if r["budget"] == budget}
-    full = {(r["task"], r["model"], r["limit"]): r for r in rows if r["policy"] == "full"}
+    full = {(r["task"], r["model"], r["limit"]): r for r in rows if r["method"] == "full"}
     mixed = mixed_limits(rows)
 
     def show(r: dict[str, Any] | None) -> str:
@@ -171,8 +207,8 @@ def _baseline(rows: list[dict[str, Any]], row: dict[str, Any], against: str) -> 
     same budget and protocol, except the full cache, whose protocol does not change what it holds (the same
     protocol is preferred when there are several)."""
     same = ("task", "model", "limit", "num_fewshot", "metric") + (() if against == "full" else ("protocol", "budget"))
-    found = [r for r in rows if r["policy"] == against and all(r[key] == row[key] for key in same)]
-    return min(found, key=lambda r: r["protocol"] != row["protocol"], default=None)
+    found = [r for r in rows if r["method"] == against and all(r[key] == row[key] for key in same)]
+    return min(found, key=lambda r: (r["protocol"] != row["protocol"], r["context"] != row["context"]), default=None)
 
 
 def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "full") -> list[dict[str, Any]]:
@@ -192,7 +228,7 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
 
     compared = []
     for row in rows:
-        base = _baseline(rows, row, against) if row["policy"] != against else None
+        base = _baseline(rows, row, against) if row["method"] != against else None
         if base is None or not scores(row) or not scores(base):
             continue
         pairs = stats.align(scores(row), scores(base))
@@ -306,30 +342,31 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
         rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
-    protocols = sorted({r["protocol"] for r in rows if r["policy"] != "full"} or {r["protocol"] for r in rows})
+    protocols = sorted({r["protocol"] for r in rows if r["method"] != "full"} or {r["protocol"] for r in rows})
+    method = {r["policy"]: r["method"] for r in rows}
     fig, ax = plt.subplots(figsize=(6, 4))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = [
         (model, policy, protocol)
         for model in models
         for policy, protocol in sorted({(r["policy"], r["protocol"]) for r in rows if r["model"] == model})
-        if policy != "full"
+        if method[policy] != "full"
     ]
     for index, model in enumerate(models):
         shade = str(0.45 * index / max(len(models) - 1, 1))  # black, then greys: one reference shade per model
-        full = [r for r in rows if r["model"] == model and r["policy"] == "full"]
+        full = [r for r in rows if r["model"] == model and r["method"] == "full"]
         if full:
             label = "full cache" if len(models) == 1 else f"{model}: full cache"
             ax.axhline(full[0]["value"], color=shade, linestyle="--", linewidth=1, label=label)
         lines = [line for line in drawn if line[0] == model]
-        for number, (_, policy, protocol) in enumerate(sorted(lines, key=lambda line: line[1] == "oracle")):
+        for number, (_, policy, protocol) in enumerate(sorted(lines, key=lambda line: method[line[1]] == "oracle")):
             points = [r for r in rows if (r["model"], r["policy"], r["protocol"]) == (model, policy, protocol)]
             label = (
                 (ORACLE_LABEL if policy == "oracle" else policy)
                 + (f" ({protocol})" if len(protocols) > 1 else "")
                 + (f" – {model}" if len(models) > 1 else "")
             )
-            oracle = policy == "oracle"
+            oracle = method[policy] == "oracle"
             color = shade if oracle else colors[number % len(colors)]
             transform = _offset(ax, drawn.index((model, policy, protocol)), len(drawn))
             ax.errorbar(
@@ -360,7 +397,8 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
         ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label=f"differs from full (p < {stats.ALPHA})")
     metric = rows[0]["metric"] if rows else ""
     ax.autoscale_view()
-    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=task, xlim=(0, 100))
+    title = f"{task} ({shared_note(rows)})" if shared_note(rows) else task
+    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=title, xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -419,7 +457,15 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
             continue
         key = (row["model"], row["protocol"], row["length"], row["policy"], row["budget"])
         setting = settings.setdefault(
-            key, {**dict(zip(HEADLINE_KEYS, key, strict=True)), "tasks": {}, "scores": {}, "limits": {}}
+            key,
+            {
+                **dict(zip(HEADLINE_KEYS, key, strict=True)),
+                "method": row["method"],
+                "shared": row["shared"],
+                "tasks": {},
+                "scores": {},
+                "limits": {},
+            },
         )
         task = row["task"].rsplit("@", 1)[0]
         limits.setdefault((row["model"], row["length"], task), set()).add(row["limit"])
@@ -439,7 +485,7 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
         setting["mean"] = stats.mean_over_tasks([setting["scores"][task] for task in setting["tasks"]])
     return sorted(
         settings.values(),
-        key=lambda s: (s["model"], s["protocol"], s["length"], s["policy"] != "full", s["policy"], -s["budget"]),
+        key=lambda s: (s["model"], s["protocol"], s["length"], s["method"] != "full", s["policy"], -s["budget"]),
     )
 
 
@@ -470,7 +516,7 @@ def headline_markdown(settings: list[dict[str, Any]]) -> str:
         "Long context: each task's score x100 (RULER's metric: string_match_all, string_match_part for qa) with "
         f"its 95 % interval resampling documents ({stats.RESAMPLES:,} resamples, seed {stats.SEED}); mean: the "
         "unweighted mean of the task scores (RULER's and kvpress's headline), its interval resampling documents "
-        "within each task.",
+        "within each task." + (f" Every row: {shared_note(settings)}." if shared_note(settings) else ""),
         "",
         "| model | protocol | length | policy | budget | mean [95 % CI] | tasks | " + " | ".join(tasks) + " |",
         "|---|---|---:|---|---:|---|---|" + "---|" * len(tasks),
@@ -497,10 +543,10 @@ def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, A
     run on a task). Raises ValueError when its settings share no task."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in settings:
-        if s["policy"] != "full":
+        if s["method"] != "full":
             groups.setdefault((s["model"], s["protocol"], s["length"]), []).append(s)
     for (model, protocol, length), group in groups.items():
-        full = [s for s in settings if s["policy"] == "full" and (s["model"], s["length"]) == (model, length)]
+        full = [s for s in settings if s["method"] == "full" and (s["model"], s["length"]) == (model, length)]
         group[:0] = sorted(full, key=lambda s: s["protocol"] != protocol)[:1]
         shared = set.intersection(*(set(s["tasks"]) for s in group))
         if not shared:
@@ -528,15 +574,23 @@ def _narrowed(setting: dict[str, Any], tasks: set[str]) -> dict[str, Any]:
 
 
 def _leaderboard_order(group: list[dict[str, Any]]) -> list[str]:
-    policies = sorted({s["policy"] for s in group} - set(REFERENCE_POLICIES))
-    return [p for p in REFERENCE_POLICIES if any(s["policy"] == p for s in group)] + policies
+    """The policies' labels in a leaderboard's order: the full cache, the oracle, then the rest by label."""
+
+    def rank(s: dict[str, Any]) -> tuple[int, str]:
+        method = s["method"]
+        return (REFERENCE_POLICIES.index(method) if method in REFERENCE_POLICIES else len(REFERENCE_POLICIES)), s[
+            "policy"
+        ]
+
+    return list(dict.fromkeys(s["policy"] for s in sorted(group, key=rank)))
 
 
 def _leaderboard_title(key: tuple, group: list[dict[str, Any]]) -> str:
     model, protocol, length = key
     limits = {task: limit for s in group for task, limit in s["limits"].items()}
     named = any(limit is not None for limit in limits.values())
-    return f"{model}, protocol {protocol}, {length} tokens" + (f", {limits_label(limits)}" if named else "")
+    title = f"{model}, protocol {protocol}, {length} tokens" + (f", {shared_note(group)}" if shared_note(group) else "")
+    return title + (f", {limits_label(limits)}" if named else "")
 
 
 def _left_out_label(group: list[dict[str, Any]]) -> str:
@@ -554,17 +608,17 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
     column per compression ratio, each cell the mean over the leaderboard's tasks x100 with its 95 % interval;
     the tasks some cells lack are named, with how many cells have them."""
     tasks = sorted({task for s in group for task in s["tasks"]}, key=_task_order)
-    ratios = sorted({_ratio(s["budget"]) for s in group if s["policy"] != "full"})
+    ratios = sorted({_ratio(s["budget"]) for s in group if s["method"] != "full"})
     lines = [
         f"Leaderboard: {_leaderboard_title(key, group)}. Each cell: the unweighted mean over tasks of the score "
         f"x100 with its 95 % interval resampling documents within each task ({stats.RESAMPLES:,} resamples, seed "
         f"{stats.SEED}); compression ratio = 1 − budget (kvpress's convention: the share of the "
         f"{BUDGET_SHARE[key[1]].split()[-1]} removed). Tasks: {tasks_label(tasks)} ({', '.join(tasks)})."
         + _left_out_label(group)
-        + (" full: the full cache, the ceiling, the same at every ratio." if group[0]["policy"] == "full" else "")
+        + (" full: the full cache, the ceiling, the same at every ratio." if group[0]["method"] == "full" else "")
         + (
             " oracle: compression by the attention of the question and the full cache's answer, not deployable."
-            if any(s["policy"] == "oracle" for s in group)
+            if any(s["method"] == "oracle" for s in group)
             else ""
         ),
         "",
@@ -574,7 +628,9 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
     for policy in _leaderboard_order(group):
         cells = []
         for ratio in ratios:
-            found = [s for s in group if s["policy"] == policy and (policy == "full" or _ratio(s["budget"]) == ratio)]
+            found = [
+                s for s in group if s["policy"] == policy and (s["method"] == "full" or _ratio(s["budget"]) == ratio)
+            ]
             cells.append(_estimate(found[0]["mean"]) if found else "")
         name = {"full": "full (ceiling)", "oracle": ORACLE_LABEL}.get(policy, policy)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -624,13 +680,14 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
 
     fig, ax = plt.subplots(figsize=(7, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    policies = [p for p in _leaderboard_order(group) if p != "full"]
-    for s in group[:1] if group[0]["policy"] == "full" else []:
+    method = {s["policy"]: s["method"] for s in group}
+    policies = [p for p in _leaderboard_order(group) if method[p] != "full"]
+    for s in group[:1] if group[0]["method"] == "full" else []:
         ax.axhline(s["mean"].value, color="black", linestyle="--", linewidth=1.2, label="full cache")
     for number, policy in enumerate(policies):
         points = sorted((s for s in group if s["policy"] == policy), key=lambda s: -s["budget"])
         values = [s["mean"].value for s in points]
-        oracle = policy == "oracle"
+        oracle = method[policy] == "oracle"
         ax.errorbar(
             [_ratio(s["budget"]) for s in points],
             values,
@@ -641,13 +698,13 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
             marker="o",
             markersize=4,
             capsize=3,
-            color="black" if oracle else colors[(number - ("oracle" in policies)) % len(colors)],
+            color="black" if oracle else colors[(number - ("oracle" in method.values())) % len(colors)],
             linestyle=":" if oracle else "-",
             label=ORACLE_LABEL if oracle else policy,
             transform=_offset(ax, number, len(policies)),
         )
     tasks = sorted({task for s in group for task in s["tasks"]}, key=_task_order)
-    ratios = sorted({_ratio(s["budget"]) for s in group if s["policy"] != "full"})
+    ratios = sorted({_ratio(s["budget"]) for s in group if s["method"] != "full"})
     ax.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios])
     ax.set_xlim(min(ratios) - 0.1, max(ratios) + 0.1)
     ax.set(
@@ -756,39 +813,66 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    out = args.out or args.results_dir / "plots"
+    try:
+        _plot(args, out)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _plot(args: argparse.Namespace, out: Path) -> None:
+    """What ``main`` does once its arguments are parsed; ValueError is a one-line refusal."""
     if not args.results_dir.is_dir():
-        parser.error(f"no results directory {args.results_dir}: give the results_dir the runs wrote to")
-    if args.needle:
-        files = plot_needle.write(args.results_dir, args.out or args.results_dir / "plots")
-        if not files:
-            parser.error(f"no long-context records in {args.results_dir}: run a task such as task=niah_single first")
-        print("\n".join(map(str, files)))
-        return
-    rows = [
+        raise ValueError(f"no results directory {args.results_dir}: give the results_dir the runs wrote to")
+    records, unreadable = read_records(args.results_dir)
+    if not records:
+        if not unreadable:
+            raise ValueError(f"no records in {args.results_dir}: give the results_dir the runs wrote to")
+        raise ValueError(
+            f"no record in {args.results_dir} was readable: skipped {'; '.join(map(str, unreadable))}"
+            + (f" (the figures in {out} are an earlier plot's)" if out.is_dir() else "")
+        )
+    for error in unreadable:
+        print(f"warning: skipped {error}", file=sys.stderr)
+    chosen = [
         r
-        for r in table(load_records(args.results_dir), args.metric)
-        if (not args.task or r["task"].split("@")[0] in args.task or r["task"] in args.task)
+        for r in records
+        if (not args.task or r["task"] in args.task or f"{r['task']}@{r.get('length')}" in args.task)
         and (not args.model or r["model"] in args.model)
     ]
+    if not chosen:
+        raise ValueError(
+            f"no record in {args.results_dir} of --task {' '.join(args.task or ['any'])} and --model "
+            f"{' '.join(args.model or ['any'])}: its tasks are {', '.join(sorted({r['task'] for r in records}))}, "
+            f"its models {', '.join(sorted({r['model'] for r in records}))}"
+        )
+    rows = table(chosen, args.metric)
+    if args.needle:
+        files = plot_needle.write(rows, args.results_dir, out)
+        if not files:
+            raise ValueError(f"no long-context records in {args.results_dir}: run a task such as task=niah_single_1")
+        print("\n".join(map(str, files)))
+        return
     if not rows:
-        parser.error(f"no records to plot in {args.results_dir} (check --task/--model/--metric)")
+        raise ValueError(
+            f"no record in {args.results_dir} has {f'the metric {args.metric}' if args.metric else 'its metric'} "
+            "at a fraction budget: name a metric the records hold (--metric), or run fraction budgets such as 0.2"
+        )
     try:
         headline = long_context(rows, args.results_dir)
     except ValueError as error:
         if args.leaderboard:
-            parser.error(str(error))
+            raise
         print(f"note: no long-context headline: {error}", file=sys.stderr)
         headline = []
     if args.leaderboard:
-        if not any(s["policy"] != "full" for s in headline):
-            parser.error(
+        if not any(s["method"] != "full" for s in headline):
+            raise ValueError(
                 f"no long-context records of a policy with per-question outputs in {args.results_dir}: "
                 "run long-context tasks at several budgets first (such as the kv_leaderboard preset)"
             )
-        try:
-            files, text = write_leaderboards(headline, args.out or args.results_dir / "plots")
-        except ValueError as error:
-            parser.error(str(error))
+        files, text = write_leaderboards(headline, out)
         print("\n".join(map(str, files)))
         print(text)
         return
@@ -803,7 +887,7 @@ def main(argv: list[str] | None = None) -> None:
             f"note: no paired comparison against {args.against}: no two runs with per-question scores share questions",
             file=sys.stderr,
         )
-    files = write(rows, args.out or args.results_dir / "plots", args.at, compared, headline)
+    files = write(rows, out, args.at, compared, headline)
     for path in files:
         print(path)
     print(markdown(rows) + compute(rows))

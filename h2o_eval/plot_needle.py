@@ -12,42 +12,38 @@ import json
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import figures, stats
-from h2o_eval.results import load_records
-
-SETTING = ("model", "task", "policy", "budget", "protocol", "length")
+from h2o_eval import figures
 
 
-def needle_rows(results_dir: Path) -> list[dict[str, Any]]:
-    """One row per long-context record (the newest of reruns of one setting): its setting, its metric
-    (``string_match_all``, or ``string_match_part`` for RULER's qa tasks) and score, and its mean score and
-    question count per needle depth (none for tasks without a needle)."""
-    newest: dict[tuple, dict[str, Any]] = {}
-    for record in sorted(load_records(results_dir), key=lambda r: r["created"]):
-        if "length" in record and "outputs" in record and (results_dir / record["outputs"]).is_file():
-            newest[tuple(record[key] for key in SETTING)] = record
-    rows = []
-    for record in newest.values():
-        metric = stats.primary_metric(record)
+def needle_rows(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
+    """One row per long-context row of :func:`h2o_eval.plot.table` (a setting, its policy labelled as every report
+    labels it) whose per-question outputs are in ``results_dir``: its setting, its metric (``string_match_all``, or
+    ``string_match_part`` for RULER's qa tasks) and score, and its mean score and question count per needle depth
+    (none for tasks without a needle)."""
+    found = []
+    for row in rows:
+        if row["length"] is None or row["outputs"] is None or not (results_dir / row["outputs"]).is_file():
+            continue
         by_depth: dict[float, list[float]] = {}
-        for line in (results_dir / record["outputs"]).read_text().splitlines():
+        for line in (results_dir / row["outputs"]).read_text().splitlines():
             output = json.loads(line)
             if output.get("depth") is not None:
-                by_depth.setdefault(output["depth"], []).append(output["scores"][metric])
-        rows.append(
+                by_depth.setdefault(output["depth"], []).append(output["scores"][row["metric"]])
+        found.append(
             {
-                **{key: record[key] for key in SETTING},
-                "metric": metric,
-                "score": record["metrics"][metric],
+                **{key: row[key] for key in ("model", "policy", "method", "budget", "protocol", "length", "metric")},
+                "task": row["task"].rsplit("@", 1)[0],
+                "score": row["value"],
                 "depths": {depth: (sum(s) / len(s), len(s)) for depth, s in sorted(by_depth.items())},
             }
         )
-    return rows
+    return found
 
 
 def _panels(rows: list[dict[str, Any]]) -> list[tuple[str, float, str]]:
     """The (policy, budget, protocol) settings of ``rows``, the full cache first, then by policy and budget."""
-    return sorted({(r["policy"], r["budget"], r["protocol"]) for r in rows}, key=lambda p: (p[0] != "full", p))
+    full = {r["policy"] for r in rows if r["method"] == "full"}
+    return sorted({(r["policy"], r["budget"], r["protocol"]) for r in rows}, key=lambda p: (p[0] not in full, p))
 
 
 def _label(policy: str, budget: float, protocol: str, protocols: int = 1) -> str:
@@ -121,7 +117,7 @@ def length_plot(rows: list[dict[str, Any]]) -> Any:
             points = sorted(
                 (r["length"], r["score"]) for r in rows if (r["policy"], r["budget"], r["protocol"]) == panel
             )
-            full = panel[0] == "full"
+            full = panel[0] in {r["policy"] for r in rows if r["method"] == "full"}
             ax.plot(
                 *zip(*points, strict=True),
                 marker="o",
@@ -139,10 +135,10 @@ def length_plot(rows: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def write(results_dir: Path, out: Path) -> list[Path]:
-    """Both figures (PNG, PDF) per model and task under ``out``: ``needle_<task>_<model>`` (tasks with a needle)
-    and ``length_<task>_<model>``. Returns the files written."""
-    rows = needle_rows(results_dir)
+def write(table_rows: list[dict[str, Any]], results_dir: Path, out: Path) -> list[Path]:
+    """Both figures (PNG, PDF) per model and task of :func:`h2o_eval.plot.table`'s long-context rows under ``out``:
+    ``needle_<task>_<model>`` (tasks with a needle) and ``length_<task>_<model>``. Returns the files written."""
+    rows = needle_rows(table_rows, results_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = []
     for model, task in sorted({(r["model"], r["task"]) for r in rows}):

@@ -7,14 +7,20 @@ import dataclasses
 import os
 
 import pytest
+from conftest import record_settings
 from matplotlib.collections import PathCollection
 
 from h2o_eval import plot, results, stats
 
 
-def fake_record(task, policy, budget, value, created="2026-11-22T00:00:00+00:00", protocol="simulate", **extra):
+def fake_record(
+    task, policy, budget, value, created="2026-11-22T00:00:00+00:00", protocol="simulate", settings=None, **extra
+):
+    """A record of ``task`` run with ``policy`` at ``budget`` scoring ``value``; ``settings``: its config's
+    overrides (``{"task.length": 1024}``)."""
     metric = "rouge2" if task == "xsum" else "acc"
     return {
+        **record_settings(task, policy, budget, protocol, **(settings or {})),
         "task": task,
         "model": "tiny-llama",
         "policy": policy,
@@ -134,7 +140,7 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     text = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
     assert "| copa | tiny-llama | simulate | h2o | 20% | acc | 0.6500 ± 0.0500 |" in text
     assert "| tiny-llama | context | 4096 | h2o | 50% | 75.0 [" in text  # the long-context headline
-    assert "Leaderboard: tiny-llama, protocol context, 4096 tokens." in text
+    assert "Leaderboard: tiny-llama, protocol context, 4096 tokens, 1 question per context." in text
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # copa, xsum, vt and the leaderboard
 
 
@@ -288,7 +294,7 @@ def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired
 
 def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
     """Records of one long-context task at two prompt lengths are two tasks: each policy is paired with the full
-    cache of its own length (other documents), and ``--task niah_single`` selects both."""
+    cache of its own length (other documents), and ``--task niah_single_1`` selects both."""
     for length, full, h2o in [(1024, [1] * 12, [1] * 12), (2048, [1] * 12, [0] * 12)]:
         for policy, outcomes in (("full", full), ("h2o", h2o)):
             name = f"{policy}-{length}"
@@ -296,17 +302,19 @@ def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
                 tmp_path / f"{name}.outputs.jsonl",
                 [{"id": i, "scores": {"string_match_all": float(o)}} for i, o in enumerate(outcomes)],
             )
-            record = fake_record("niah_single", policy, 1.0 if policy == "full" else 0.25, sum(outcomes) / 12)
+            record = fake_record(
+                "niah_single_1", policy, 1.0 if policy == "full" else 0.25, 0.0, settings={"task.length": length}
+            )
             record |= {"length": length, "limit": 12, "outputs": f"{name}.outputs.jsonl"}  # a record names no metric
             record["metrics"] = {"string_match_all": sum(outcomes) / 12}
             results.write_record(tmp_path / f"{name}.json", record)
     rows = plot.table(results.load_records(tmp_path))
-    assert sorted({r["task"] for r in rows}) == ["niah_single@1024", "niah_single@2048"]
+    assert sorted({r["task"] for r in rows}) == ["niah_single_1@1024", "niah_single_1@2048"]
     compared = {r["task"]: r["paired"].difference for r in plot.paired_rows(rows, tmp_path) if "@" in r["task"]}
-    assert compared == {"niah_single@1024": 0.0, "niah_single@2048": -1.0}
-    plot.main([str(tmp_path), "--out", str(tmp_path / "plots"), "--task", "niah_single"])
-    assert (tmp_path / "plots" / "niah_single@1024.png").is_file() and (
-        tmp_path / "plots" / "niah_single@2048.png"
+    assert compared == {"niah_single_1@1024": 0.0, "niah_single_1@2048": -1.0}
+    plot.main([str(tmp_path), "--out", str(tmp_path / "plots"), "--task", "niah_single_1"])
+    assert (tmp_path / "plots" / "niah_single_1@1024.png").is_file() and (
+        tmp_path / "plots" / "niah_single_1@2048.png"
     ).is_file()
 
 
@@ -328,18 +336,24 @@ def test_cells_with_several_questions_per_document_are_tested_by_document_and_sa
     assert table[-1].endswith(" | 0.0156 * | sign-flip by document |")
 
 
-def long_record(folder, task, policy, budget, per_document, protocol="context", length=4096, metric=None, limit=None):
+def long_record(
+    folder, task, policy, budget, per_document, protocol="context", length=4096, metric=None, limit=None, settings=None,
+    name=None,
+):  # fmt: skip
     """A long-context record whose outputs hold each document's questions (``per_document``: a list of score
-    lists), with ids "<document>/<question>" as a haystack of several questions writes them."""
+    lists), with ids "<document>/<question>" as a haystack of several questions writes them; ``settings``: its
+    config's other overrides; ``name``: told apart from records of the same task, policy and budget."""
     metric = metric or ("string_match_part" if task.startswith("qa") else "string_match_all")
     outputs = [
         {"id": f"{d}/{q}", "document": d, "depth": 50.0, "scores": {metric: float(score)}}
         for d, scores in enumerate(per_document)
         for q, score in enumerate(scores)
     ]
-    name = f"{task}_{policy}_{budget}_{protocol}_{length}"
+    name = f"{task}_{policy}_{budget}_{protocol}_{length}" + (f"_{name}" if name is not None else "")
     results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
-    record = fake_record(task, policy, budget, 0.0, protocol=protocol)
+    record = fake_record(
+        task, policy, budget, 0.0, protocol=protocol, settings={"task.length": length, **(settings or {})}
+    )
     record |= {"length": length, "limit": limit, "n_samples": len(outputs), "outputs": f"{name}.outputs.jsonl"}
     record["metrics"] = {metric: sum(o["scores"][metric] for o in outputs) / len(outputs)}
     results.write_record(folder / f"{name}.json", record)
@@ -479,7 +493,9 @@ def test_tasks_scored_on_different_limits_share_one_leaderboard_and_a_task_on_tw
     plot.main([str(tmp_path), "--leaderboard", "--out", str(out)])
     assert [path.name for path in out.glob("*.md")] == ["leaderboard_tiny-llama_context_4096.md"]
     lines = (out / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
-    assert lines[0].startswith("Leaderboard: tiny-llama, protocol context, 4096 tokens, limit=5; fwe: 20. ")
+    assert lines[0].startswith(
+        "Leaderboard: tiny-llama, protocol context, 4096 tokens, 1 question per context, limit=5; fwe: 20. "
+    )
     assert "Tasks: 2/13 tasks (niah_single_1, fwe)" in lines[0]
     assert lines[5].startswith("| h2o | 55.0 [")  # (3/5 + 10/20) / 2
     with (out / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
@@ -549,3 +565,69 @@ def test_lines_at_one_budget_are_drawn_apart_and_the_oracle_is_dotted(results_di
     assert 2 <= abs(h2o_x - local_x) <= 10  # drawn a few points apart
     low, high = ax.get_ylim()
     assert low < 0.5 - 0.05 and high > 0.7 + 0.05  # and inside the axes, error bars included
+
+
+@pytest.fixture
+def snapkv_settings_dir(tmp_path):
+    """The full cache and three SnapKV settings at one budget: the defaults, ``decoding=grow`` and
+    ``policy.window=8``, on one long-context task with per-question outputs."""
+    long_record(tmp_path, "niah_single_1", "full", 1.0, [[1]] * 8)
+    for name, settings in (("defaults", {}), ("grow", {"decoding": "grow"}), ("window", {"policy.window": 8})):
+        long_record(tmp_path, "niah_single_1", "snapkv", 0.5, [[1]] * 6 + [[0]] * 2, settings=settings, name=name)
+    return tmp_path
+
+
+LABELS = {"snapkv", "snapkv (decoding=grow)", "snapkv (window=8)"}
+
+
+def test_settings_that_differ_beyond_the_columns_are_rows_of_their_own_labelled_by_what_differs(
+    snapkv_settings_dir, tmp_path, capsys
+):
+    rows = plot.table(results.load_records(snapkv_settings_dir))
+    assert {r["policy"] for r in rows} == {"full", *LABELS}
+    assert {r["policy"] for r in plot.paired_rows(rows, snapkv_settings_dir)} == LABELS
+    assert {s["policy"] for s in plot.long_context(rows, snapkv_settings_dir)} == {"full", *LABELS}
+    plot.main([str(snapkv_settings_dir), "--out", str(tmp_path / "plots")])
+    summary = (tmp_path / "plots" / "summary.md").read_text()
+    assert "Every row, where it applies: 1 question per context." in summary
+    assert all(f"| {label} | 50% |" in summary for label in LABELS)
+    assert all(f"| {label} | 50% |" in (tmp_path / "plots" / "headline.md").read_text() for label in LABELS)
+    plot.main([str(snapkv_settings_dir), "--out", str(tmp_path / "board"), "--leaderboard"])
+    board = next((tmp_path / "board").glob("leaderboard_*.md")).read_text()
+    assert all(f"| {label} | " in board for label in LABELS)
+    plot.main([str(snapkv_settings_dir), "--out", str(tmp_path / "needle"), "--needle"])
+    capsys.readouterr()
+    from h2o_eval import plot_needle
+
+    assert {r["policy"] for r in plot_needle.needle_rows(rows, snapkv_settings_dir)} == {"full", *LABELS}
+
+
+def test_questions_per_context_tell_rows_apart(tmp_path):
+    for questions in (1, 2):
+        settings = {"task.questions": questions}
+        long_record(tmp_path, "niah_single_1", "h2o", 0.5, [[1] * questions] * 4, settings=settings, name=questions)
+    rows = plot.table(results.load_records(tmp_path))
+    assert {r["policy"] for r in rows} == {"h2o (1 question per context)", "h2o (2 questions per context)"}
+
+
+def test_records_that_no_column_tells_apart_are_refused_naming_what_differs(tmp_path, capsys):
+    for number, data in enumerate(("abc", "def")):
+        results.write_record(tmp_path / f"r{number}.json", {**fake_record("copa", "h2o", 0.2, 0.5), "data": data})
+    with pytest.raises(SystemExit) as exit_:
+        plot.main([str(tmp_path), "--out", str(tmp_path / "plots")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "differ in data" in err and "usage" not in err
+
+
+def test_a_folder_of_nothing_readable_names_the_files_it_skipped_and_the_earlier_plot(results_dir, tmp_path, capsys):
+    out = tmp_path / "plots"
+    plot.main([str(results_dir), "--out", str(out)])
+    for path in results_dir.glob("*.json"):
+        path.write_text("{truncated")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        plot.main([str(results_dir), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "usage" not in err
+    assert err.startswith(f"error: no record in {results_dir} was readable: skipped {results_dir / 'r0.json'}")
+    assert f"the figures in {out} are an earlier plot's" in err

@@ -5,8 +5,14 @@ from __future__ import annotations
 import math
 
 import pytest
+import test_plot
+from conftest import record_settings
 
 from h2o_eval import plot, plot_needle, results
+
+
+def needle_rows(folder):
+    return plot_needle.needle_rows(plot.table(results.load_records(folder)), folder)
 
 
 def write_run(
@@ -16,7 +22,7 @@ def write_run(
     length,
     scores,
     created="2026-11-22T00:00:00+00:00",
-    task="niah_single",
+    task="niah_single_1",
     metric="string_match_all",
 ):
     """A record and its outputs: ``scores`` maps each depth (None: no needle) to its documents' scores."""
@@ -24,6 +30,7 @@ def write_run(
     outputs = [{"depth": d, "scores": {metric: s}} for d, values in scores.items() for s in values]
     results.write_jsonl(folder / f"{name}.outputs.jsonl", outputs)
     record = {
+        **record_settings(task, policy, budget, "prefill", **{"task.length": length}),
         "model": "tiny-llama",
         "task": task,
         "policy": policy,
@@ -52,16 +59,16 @@ def results_dir(tmp_path):
 
 
 def test_rows_hold_each_depths_mean_score_from_the_outputs_of_the_newest_record(results_dir):
-    rows = {(r["task"], r["policy"], r["length"]): r for r in plot_needle.needle_rows(results_dir)}
+    rows = {(r["task"], r["policy"], r["length"]): r for r in needle_rows(results_dir)}
     assert len(rows) == 5
-    assert rows["niah_single", "h2o", 256]["depths"] == {0: (1.0, 2), 50: (0.5, 2), 100: (0.0, 2)}
-    assert rows["niah_single", "h2o", 512]["depths"] == {0: (0.5, 2), 50: (0.0, 2), 100: (0.0, 2)}
-    assert rows["niah_single", "h2o", 512]["score"] == pytest.approx(1 / 6)
+    assert rows["niah_single_1", "h2o", 256]["depths"] == {0: (1.0, 2), 50: (0.5, 2), 100: (0.0, 2)}
+    assert rows["niah_single_1", "h2o", 512]["depths"] == {0: (0.5, 2), 50: (0.0, 2), 100: (0.0, 2)}
+    assert rows["niah_single_1", "h2o", 512]["score"] == pytest.approx(1 / 6)
     assert rows["cwe", "full", 512]["depths"] == {}
 
 
 def test_heatmap_puts_the_full_cache_first_and_colours_depth_by_length(results_dir):
-    rows = [r for r in plot_needle.needle_rows(results_dir) if r["task"] == "niah_single"]
+    rows = [r for r in needle_rows(results_dir) if r["task"] == "niah_single_1"]
     fig = plot_needle.heatmap(rows)
     full, h2o = fig.axes[:2]
     assert full.get_title() == "full cache" and h2o.get_title() == "h2o 20% (prefill)"
@@ -75,17 +82,18 @@ def test_cli_draws_heatmaps_and_length_lines_and_only_lines_without_needles(resu
     names = sorted(path.name for path in out.iterdir())
     assert names == [
         f"{kind}_{task}_tiny-llama.{suffix}"
-        for kind, task in [("length", "cwe"), ("length", "niah_single"), ("needle", "niah_single")]
+        for kind, task in [("length", "cwe"), ("length", "niah_single_1"), ("needle", "niah_single_1")]
         for suffix in ("pdf", "png")
     ]
-    assert str(out / "needle_niah_single_tiny-llama.png") in capsys.readouterr().out
-    lines = plot_needle.length_plot([r for r in plot_needle.needle_rows(results_dir) if r["task"] == "niah_single"])
+    assert str(out / "needle_niah_single_1_tiny-llama.png") in capsys.readouterr().out
+    lines = plot_needle.length_plot([r for r in needle_rows(results_dir) if r["task"] == "niah_single_1"])
     full, h2o = lines.axes[0].get_lines()
     assert full.get_linestyle() == "--" and list(full.get_ydata()) == [1.0, 1.0]
     assert [math.isclose(a, b) for a, b in zip(h2o.get_ydata(), [0.5, 1 / 6], strict=True)] == [True, True]
 
 
 def test_cli_needle_without_long_context_records_says_what_to_run(tmp_path, capsys):
+    results.write_record(tmp_path / "copa.json", test_plot.fake_record("copa", "h2o", 0.2, 0.5))
     with pytest.raises(SystemExit):
         plot.main([str(tmp_path), "--needle"])
     assert "no long-context records" in capsys.readouterr().err
@@ -94,8 +102,8 @@ def test_cli_needle_without_long_context_records_says_what_to_run(tmp_path, caps
 def test_rulers_qa_tasks_are_drawn_on_their_own_metric(tmp_path):
     for length, score in ((2048, 0.75), (4096, 0.5)):
         write_run(tmp_path, "full", 1.0, length, {None: [score, score]}, task="qa_1", metric="string_match_part")
-    (row, _) = plot_needle.needle_rows(tmp_path)
+    (row, _) = needle_rows(tmp_path)
     assert (row["metric"], row["depths"]) == ("string_match_part", {})
-    figure = plot_needle.length_plot(plot_needle.needle_rows(tmp_path))
+    figure = plot_needle.length_plot(needle_rows(tmp_path))
     assert figure.axes[0].get_ylabel() == "string_match_part"
     assert list(figure.axes[0].get_lines()[0].get_ydata()) == [0.75, 0.5]
