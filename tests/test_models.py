@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from h2o_eval import EvictionCache, load_model, make_policy, patch
 from h2o_eval.attention import layer_windows
 from h2o_eval.errors import ConfigError
-from h2o_eval.models import registry
+from h2o_eval.models import registry, resolve_dtype
 
 
 def test_unknown_model_lists_the_registered_names():
@@ -96,6 +96,18 @@ def test_gemma3_simulate_equals_token_by_token_eviction_cache():
     assert (simulated - stepped).abs().max() <= 1e-5 * scale
     assert [layer.keys.shape[2] for layer in cache.layers if layer.window is None] == [12, 12, 12]
     assert (simulated - model.model(ids).last_hidden_state).abs().max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize(
+    ("device", "bf16", "expected"),
+    [("cuda", True, torch.bfloat16), ("cuda", False, torch.float16), ("cpu", True, torch.float32)],
+)
+def test_auto_dtype_is_bfloat16_on_a_gpu_that_has_it_else_float16_and_float32_on_the_cpu(
+    monkeypatch, device, bf16, expected
+):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    assert resolve_dtype("auto", torch.device(device)) == expected
+    assert resolve_dtype("float16", torch.device(device)) == torch.float16
 
 
 class Creations(TorchDispatchMode):
