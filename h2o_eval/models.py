@@ -1,4 +1,5 @@
-"""Model registry and loading: hub ids, the offline SmolLM2 and Gemma 3 GGUFs, and tiny random models for tests.
+"""Model registry and loading: hub ids, the offline SmolLM2 and Gemma 3 GGUFs, and random-weight models (tiny ones
+for tests, real models' shapes for timing on a GPU).
 
 Registry entries are the YAML files of ``conf/model/``; the same files serve the Hydra CLI and
 :func:`load_model`, so a name means the same model everywhere.
@@ -62,8 +63,13 @@ def check_available(name: str | dict[str, Any]) -> None:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The torch dtype of a ``dtype`` setting on ``device``. ``auto`` is bfloat16 on a GPU that supports it (the
+    dtype the models were trained in; Gemma 3's activations overflow float16), float16 on an older GPU, and float32
+    on the CPU, where half precision is slower and less exact."""
     if dtype == "auto":
-        return torch.float16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ConfigError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16")
     return getattr(torch, dtype)
@@ -72,20 +78,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_model(name: str | dict[str, Any], *, device: str = "auto", dtype: str = "auto") -> tuple[torch.nn.Module, Any]:
     """Load ``(model, tokenizer)`` in eval mode from a registry name, a registry config, an HF id or a path.
 
-    ``device``/``dtype`` "auto" mean CUDA in float16 when present, else CPU in float32.
+    ``device``/``dtype`` "auto" mean CUDA when present, in bfloat16 where the GPU supports it, else float16, and
+    else the CPU in float32 (:func:`resolve_dtype`). A random model is built on the device in the dtype, so a large
+    one never passes through the CPU's memory in float32.
     """
     spec = _spec(name)
     target = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, target)
     source = spec["source"]
+    if source == "random":
+        model, tokenizer = _random_model(spec["config"], spec.get("seed", 0), torch_dtype, target)
+        return model.eval(), tokenizer
     if source == "hub":
         model, tokenizer = _from_pretrained(spec["hf_id"], torch_dtype)
     elif source == "smollm2_gguf":
         model, tokenizer = _from_pretrained(str(_converted(smollm2_gguf())), torch_dtype)
     elif source == "gemma3_gguf":
         model, tokenizer = _from_pretrained(str(_converted_gemma3()), torch_dtype)
-    elif source == "random":
-        model, tokenizer = _random_model(spec["config"], spec.get("seed", 0), torch_dtype)
     else:
         raise ConfigError(f"model source {source!r} is unknown: use hub, smollm2_gguf, gemma3_gguf or random")
     return model.to(target).eval(), tokenizer
@@ -243,21 +252,26 @@ def smollm2_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(_converted(smollm2_gguf())))
 
 
-def _random_model(config: dict[str, Any], seed: int, dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+def _random_model(
+    config: dict[str, Any], seed: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.nn.Module, Any]:
+    """A model of ``config`` with seeded random weights, created on ``device`` in ``dtype`` (Llama-3-8B's shapes
+    would otherwise take 32 GB of CPU memory in float32 first), with SmolLM2's tokenizer. Its vocabulary is the
+    tokenizer's unless the config sets one, as a real model's shapes do (ids past the tokenizer's have no text: such
+    a model is timed on token ids)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = smollm2_tokenizer()
-    params = dict(config)
+    params = {"vocab_size": len(tokenizer), **config}
     model_type = params.pop("model_type")
     hf_config = AutoConfig.for_model(
         model_type,
-        vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **params,
     )
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     return model, tokenizer

@@ -4,6 +4,7 @@ their prompt passes."""
 
 from __future__ import annotations
 
+import resource
 import sys
 import tempfile
 import time
@@ -21,6 +22,8 @@ from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
 
 TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of the sequence is worth a warning
+PROC_STATUS = Path("/proc/self/status")
+PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
@@ -146,17 +149,26 @@ def compute(configs: list[dict[str, Any]], work_dir: Path | None = None) -> list
     began = time.perf_counter()
     model, tokenizer = load_model(first["model"], device=first["device"], dtype=first["dtype"])
     loaded = time.perf_counter()
+    device = next(model.parameters()).device
     runner = runner_of(first["task"])
     cells = [(configured_policy(config), config) for config in configs]
     if len(cells) > 1 and all(runner.shares_prompts(config) for config in configs):
+        peak = PeakMemory(device)  # one peak for the cells evaluated together
         evaluations = runner.evaluate_shared(model, tokenizer, cells)
+        peaks = [peak.read()] * len(cells)
         for evaluation in evaluations:
             evaluation.fields["generation"]["shared_prompt_cells"] = len(cells)
     else:
-        evaluations = [runner.evaluate(model, tokenizer, policy, config) for policy, config in cells]
+        evaluations, peaks = [], []
+        for policy, config in cells:
+            peak = PeakMemory(device)
+            evaluations.append(runner.evaluate(model, tokenizer, policy, config))
+            peaks.append(peak.read())
     seconds = (time.perf_counter() - loaded) / len(cells)
-    for evaluation in evaluations:  # a first load converts the weights once (about 100 s for Gemma 3)
+    for evaluation, peak in zip(evaluations, peaks, strict=True):
+        # a first load converts the weights once (about 100 s for Gemma 3)
         evaluation.fields["load_seconds"] = round(loaded - began, 3)
+        evaluation.fields["peak_memory"] = peak
     return [
         finish(
             config,
@@ -219,6 +231,49 @@ def finish(
     print(summary_line(record))  # last, below lm-eval's table and W&B's output
     print(f"record: {path}")
     return record
+
+
+class PeakMemory:
+    """An evaluation's peak memory on ``device`` (a torch device) from its creation on: the CUDA allocator's peak,
+    or on the CPU the process's peak resident set (Linux resets it through ``/proc/self/clear_refs``; where that is
+    not permitted the peak is the process's since it started, and :meth:`read` says so)."""
+
+    def __init__(self, device: Any) -> None:
+        import torch
+
+        self.device = device
+        self.resident_reset = False
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return
+        with suppress(OSError):
+            PROC_CLEAR_REFS.write_text("5")
+            self.resident_reset = True
+
+    def read(self) -> dict[str, Any]:
+        """The record's ``peak_memory``: ``device`` (cpu or cuda), ``bytes`` and ``kind``: ``allocator`` (CUDA's
+        ``max_memory_allocated``: tensors, the weights included, not the allocator's reserve), ``resident set``
+        (the process's ``VmHWM``), or ``resident set since the process started`` (``ru_maxrss``, where the peak
+        could not be reset or read). An output of the run, never part of its identity."""
+        import torch
+
+        if self.device.type == "cuda":
+            return {"device": "cuda", "bytes": torch.cuda.max_memory_allocated(self.device), "kind": "allocator"}
+        hwm = _vm_hwm()
+        if hwm is not None and self.resident_reset:
+            return {"device": "cpu", "bytes": hwm, "kind": "resident set"}
+        scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is in kB on Linux, bytes on macOS
+        maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+        return {"device": "cpu", "bytes": maxrss, "kind": "resident set since the process started"}
+
+
+def _vm_hwm() -> int | None:
+    """The process's peak resident set in bytes (``VmHWM`` of ``/proc/self/status``), or None without it."""
+    try:
+        lines = PROC_STATUS.read_text().splitlines()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) * 1024 for line in lines if line.startswith("VmHWM:")), None)
 
 
 def _warn_tiny_budget(record: dict[str, Any]) -> None:

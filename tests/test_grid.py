@@ -377,6 +377,7 @@ def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch
     assert len(records) == 13
     shared = [json.loads(p.read_text()) for p in records if "prefill" in p.name or "context" in p.name]
     assert [r["generation"]["shared_prompt_cells"] for r in shared] == [10] * 10
+    assert len({json.dumps(r["peak_memory"]) for r in shared}) == 1  # one peak for the cells evaluated together
     cell = {"model": "tiny-llama", "task": "niah_single_1", "task.length": 700, "++task.max_new_tokens": 6}
     cell |= {"limit": 4, "batch_size": 2, "policy": "h2o", "budget": 0.5, "protocol": "context"}
     assert execute(make_config(data_dir, tmp_path / "grid", **cell))[0] == "skipped"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_eval import EvictionCache, load_model, make_policy, patch
 from h2o_eval.attention import layer_windows
 from h2o_eval.errors import ConfigError
-from h2o_eval.models import registry
+from h2o_eval.models import registry, resolve_dtype
 
 
 def test_unknown_model_lists_the_registered_names():
@@ -95,3 +96,51 @@ def test_gemma3_simulate_equals_token_by_token_eviction_cache():
     assert (simulated - stepped).abs().max() <= 1e-5 * scale
     assert [layer.keys.shape[2] for layer in cache.layers if layer.window is None] == [12, 12, 12]
     assert (simulated - model.model(ids).last_hidden_state).abs().max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize(
+    ("device", "bf16", "expected"),
+    [("cuda", True, torch.bfloat16), ("cuda", False, torch.float16), ("cpu", True, torch.float32)],
+)
+def test_auto_dtype_is_bfloat16_on_a_gpu_that_has_it_else_float16_and_float32_on_the_cpu(
+    monkeypatch, device, bf16, expected
+):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+    assert resolve_dtype("auto", torch.device(device)) == expected
+    assert resolve_dtype("float16", torch.device(device)) == torch.float16
+
+
+class Creations(TorchDispatchMode):
+    """Notes the device and dtype of every tensor an operation returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[torch.device, torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.made.append((tensor.device, tensor.dtype, tensor.numel()))
+        return out
+
+
+def test_a_random_model_is_created_on_its_device_in_its_dtype_never_in_float32_on_the_cpu_first():
+    """Llama-3-8B's shapes in float32 on the CPU would take 32 GB before a move: every weight-sized tensor the load
+    makes is already on the target device (here ``meta``, which allocates nothing) in the target dtype."""
+    with Creations() as creations:
+        model, _ = load_model("tiny-llama", device="meta", dtype="bfloat16")
+    embedding = model.get_input_embeddings().weight.numel()
+    large = {(device.type, dtype) for device, dtype, numel in creations.made if numel >= embedding}
+    assert large == {("meta", torch.bfloat16)}
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.bfloat16)}
+
+
+def test_shape_llama_3_8b_has_llama_3_8bs_shapes_and_parameter_count():
+    model, _ = load_model("shape-llama-3-8b", device="meta", dtype="bfloat16")
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (32, 4096, 14336)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 8, 128)
+    assert (config.vocab_size, config.rope_parameters["rope_theta"]) == (128256, 500000.0)
+    assert config.max_position_embeddings >= 32768 + 1024
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Meta-Llama-3-8B's count

@@ -11,12 +11,15 @@ import time
 
 import pytest
 import test_plot
+import torch
 from conftest import make_config
 
 from h2o_eval import hub, results, stats, tracking
+from h2o_eval import run as run_module
 from h2o_eval.errors import ConfigError
+from h2o_eval.models import load_model
 from h2o_eval.policies import configured_policy
-from h2o_eval.run import _warn_tiny_budget, execute, run, summary_line, validate
+from h2o_eval.run import PeakMemory, _vm_hwm, _warn_tiny_budget, execute, run, summary_line, validate
 
 
 @pytest.fixture
@@ -444,3 +447,45 @@ def test_a_record_stored_under_an_earlier_name_of_its_setting_is_found(tmp_path,
     results.write_record(earlier, record)
     assert execute(config) == ("skipped", record)
     assert f"skipped: {earlier} exists" in capsys.readouterr().out
+
+
+def test_a_record_carries_its_evaluations_peak_memory_at_least_its_weights_outside_its_identity(tmp_path, data_dir):
+    config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=2)
+    status, record = execute(config, tmp_path / "work")
+    model, _ = load_model("tiny-llama", device="cpu")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = record["peak_memory"]
+    assert status == "ran" and peak["device"] == "cpu"
+    assert peak["kind"] in ("resident set", "resident set since the process started")
+    assert peak["bytes"] >= weights > 0
+    path = results.record_path(tmp_path / "results", validate(config))
+    assert results.read_record(path)["peak_memory"] == peak
+    assert "peak_memory" not in json.dumps(results.identity(validate(config)))
+
+
+def test_the_cpu_peak_is_reset_at_an_evaluations_start():
+    """A large block freed before the evaluation starts is not its peak (where Linux lets the peak be reset)."""
+    block = torch.ones(2**26)  # 256 MiB, touched
+    del block
+    before = _vm_hwm()
+    if before is None or not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("this system does not let a process read and reset its peak resident set")
+    peak = PeakMemory(torch.device("cpu")).read()
+    assert peak["kind"] == "resident set" and peak["bytes"] < before - 2**27
+
+
+def test_without_a_resettable_peak_the_cpu_record_says_it_is_the_processs(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_module, "PROC_CLEAR_REFS", tmp_path / "missing" / "clear_refs")
+    peak = PeakMemory(torch.device("cpu")).read()
+    assert peak["kind"] == "resident set since the process started" and peak["bytes"] > 0
+
+
+def test_on_cuda_the_peak_is_the_allocators_reset_at_the_start(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: calls.append(("peak", device)) or 123)
+    cuda = torch.device("cuda")
+    peak = PeakMemory(cuda)
+    assert calls == [("reset", cuda)]
+    assert peak.read() == {"device": "cuda", "bytes": 123, "kind": "allocator"}
+    assert calls == [("reset", cuda), ("peak", cuda)]
