@@ -5,7 +5,7 @@ forward alone: the sequence is its first chunk (under ``simulate`` every row arr
 empty cache; under ``prefill``/``context`` the first ``session.context_lengths[b]`` real tokens are a prompt that
 attends in full and is compressed, the rest arrive under the decoding rule). The logits are what a cache fed token
 by token would give. A forward that brings its own EvictionCache (``generate`` inside ``patch``) keeps it. After
-each forward the capacities the cache realised are logged (:class:`~h2o_eval.cache.CapacityLog`).
+each forward the capacities the cache realised are logged (:class:`~h2o_eval.capacity.CapacityLog`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from h2o_eval.attention import check_supported, install
-from h2o_eval.cache import CapacityLog, EvictionCache
+from h2o_eval.cache import EvictionCache
+from h2o_eval.capacity import CapacityLog
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol
 
@@ -75,7 +76,7 @@ class Session:
         self.capacity.add(cache)
 
     def capacity_stats(self) -> dict[str, Any]:
-        """Realised capacities over every scored sequence (:meth:`h2o_eval.cache.CapacityLog.stats`)."""
+        """Realised capacities over every scored sequence (:meth:`h2o_eval.capacity.CapacityLog.stats`)."""
         return self.capacity.stats()
 
 

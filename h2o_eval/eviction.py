@@ -57,7 +57,7 @@ class Chunk:
     capacity: [B, Hkv] int64, C per sequence and KV head (this layer's).
     recent, sinks, prefill: [B] int64; rows < ``prefill`` are prompt rows (only with an empty state).
     rule: the policy's score rule.
-    output: False when the caller computes the prompt rows' attention itself (:class:`h2o_eval.cache.SharedPrompt`):
+    output: False when the caller computes the prompt rows' attention itself (:class:`h2o_eval.groups.SharedPrompt`):
     they then only vote, and their output is left zero.
     rescore: when the prompt is compressed, the policy's own scores from its pooled ones: ``rescore(scores,
     protected)`` with scores and the protected tokens [B, Hkv, N] -> scores [B, Hkv, N] (None: as they are).
@@ -523,23 +523,33 @@ def claim_slot(
     capacity: torch.Tensor,
     recent: torch.Tensor,
     sinks: torch.Tensor,
-) -> torch.Tensor | None:
-    """Step 1 of one arriving token per sequence, in place of a chunk: the slot [B, Hkv] it will occupy.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of one arriving token per sequence, in place of a chunk: the slot [B, Hkv] it will occupy, and a
+    [] bool that is True where the plan is inconsistent (a full cache whose every held token is protected).
 
-    A full cache gives up its victim (same rule as the scan); one below capacity takes a free slot. Returns
-    None when some cache is below capacity with no free slot left (the caller grows the buffer instead).
-    """
+    A full cache gives up its victim (same rule as the scan); one below capacity takes its first free slot, which
+    the caller guarantees it has. Nothing here reads a value on the host: a decode step never waits for the
+    device."""
     full = held.sum(-1) >= capacity
-    free = ~held
-    if bool((~full & ~free.any(-1)).any()):
-        return None
-    if not bool(full.any()):
-        return free.to(torch.int8).argmax(-1)
     candidate = held & ~_protected(position, now, recent, sinks)
-    if bool((full & ~candidate.any(-1)).any()):
-        raise RuntimeError("eviction needed but every held token is protected: the plan is inconsistent")
     victim = _lowest(scores, position, candidate)
-    return torch.where(full, victim, free.to(torch.int8).argmax(-1))
+    free = (~held).to(torch.int8).argmax(-1)
+    return torch.where(full, victim, free), (full & ~candidate.any(-1)).any()
+
+
+def attend_slots(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, held: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """One query per sequence [B, Hq, 1, D] over the slots of keys/values [B, Hkv, S, D] that ``held`` [B, Hkv, S]
+    marks (None: every slot), through torch's fused attention (SDPA), for a rule that needs no attention scores:
+    each KV head's G query heads are G query rows of that head, so nothing is repeated and the mask broadcasts
+    over them. Returns [B, Hq, 1, D]."""
+    batch, q_heads, _, dim = query.shape
+    kv_heads = keys.shape[1]
+    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    mask = None if held is None else held.unsqueeze(2)
+    output = torch.nn.functional.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scaling)
+    return output.reshape(batch, q_heads, 1, dim)
 
 
 def attend_held(

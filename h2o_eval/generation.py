@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
-from h2o_eval.cache import CapacityLog, EvictionCache, SharedPrompt
+from h2o_eval.cache import EvictionCache
+from h2o_eval.capacity import CapacityLog
+from h2o_eval.groups import SharedPrompt
 from h2o_eval.policies import Full, Policy
 from h2o_eval.policies.inputs import Script
 
@@ -265,7 +267,7 @@ class Progress:
 @dataclass
 class GenerationLog:
     """What a run's generation cost and held, batch by batch; ``fields()`` is the record's ``generation`` and
-    ``capacity`` (:class:`~h2o_eval.cache.CapacityLog`), the same keys for every runner."""
+    ``capacity`` (:class:`~h2o_eval.capacity.CapacityLog`), the same keys for every runner."""
 
     max_new_tokens: int
     capacity: CapacityLog = field(default_factory=CapacityLog)

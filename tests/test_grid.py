@@ -10,8 +10,9 @@ import torch
 from conftest import make_config, registered
 
 from h2o_eval import generation, grid
-from h2o_eval.cache import EvictionCache, SharedPrompt
+from h2o_eval.cache import EvictionCache
 from h2o_eval.errors import ConfigError
+from h2o_eval.groups import SharedPrompt
 from h2o_eval.models import load_model
 from h2o_eval.policies import configured_policy, example_policy, make_policy
 from h2o_eval.run import execute, validate

@@ -45,8 +45,9 @@ def main() -> None:
     from h2o_eval.threads import apply
 
     apply(args.threads)
-    from h2o_eval.cache import EvictionCache, SharedPrompt
+    from h2o_eval.cache import EvictionCache
     from h2o_eval.generation import decode, feed
+    from h2o_eval.groups import SharedPrompt
     from h2o_eval.models import load_model
     from h2o_eval.policies import make_policy
 

@@ -60,7 +60,7 @@ class Prompt:
         rotary: ``rotary(positions)`` for positions [m] gives (cos, sin) [m, D] of this layer's rotary embedding;
             None for a model without one.
         scaling: the attention's logit scale.
-        shared: what the scorers of the other caches fed this prompt in one :class:`~h2o_eval.cache.SharedPrompt`
+        shared: what the scorers of the other caches fed this prompt in one :class:`~h2o_eval.groups.SharedPrompt`
             layer pass computed (:meth:`once`); None outside such a pass.
     """
 
@@ -97,7 +97,7 @@ class Prompt:
 
     def once(self, key: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``compute()``, a function of this prompt alone (not of the capacity), computed once per
-        :class:`~h2o_eval.cache.SharedPrompt` layer pass for the caches whose prompts have the same real tokens (a
+        :class:`~h2o_eval.groups.SharedPrompt` layer pass for the caches whose prompts have the same real tokens (a
         policy at several budgets scores the prompt once). ``key`` names the computation and everything it depends on
         besides the prompt; each caller gets its own copy."""
         if self.shared is None:

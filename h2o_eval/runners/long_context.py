@@ -174,7 +174,7 @@ class LongContextRunner(Runner):
     ) -> list[Evaluation]:
         """The cells' evaluations; they differ only in policy, budget and protocol. The first chunk of a batch (the
         contexts under ``context``, the prompts under ``prefill``), which attends in full whatever the policy, runs
-        once through a :class:`~h2o_eval.cache.SharedPrompt` of every cell's cache when there are several, each
+        once through a :class:`~h2o_eval.groups.SharedPrompt` of every cell's cache when there are several, each
         compressing it by its own policy; each cell then answers alone (with ``stack_cells``, together:
         :meth:`_Run._answer_together`). A cell's ``generated_tokens_per_s`` counts its share of the shared pass (and
         of a stacked decode)."""
@@ -290,7 +290,7 @@ class _Run:
         each question's copy for that question."""
         import torch
 
-        from h2o_eval.cache import SharedPrompt
+        from h2o_eval.groups import SharedPrompt
 
         size = self.config["batch_size"]
         for start in range(0, len(self.items), size):
@@ -396,7 +396,7 @@ class _Run:
         shared."""
         import torch
 
-        from h2o_eval.cache import SharedPrompt
+        from h2o_eval.groups import SharedPrompt
 
         units = [(p, k) for p in self.items for k in range(len(p.question_ids))]
         size = self.config["batch_size"]
