@@ -32,10 +32,13 @@ ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 FAMILIES = "Llama (2, 3), Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, OPT, GPT-NeoX, GPT-2"
 
 
-def _mask(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """transformers' boolean SDPA mask, always materialised: padding must reach the attention function."""
-    kwargs["allow_is_causal_skip"] = False
-    return sdpa_mask(*args, **kwargs)
+def _mask(*args: Any, q_length: int, **kwargs: Any) -> torch.Tensor | None:
+    """transformers' boolean SDPA mask. A chunk of several tokens without padding whose keys are its own (a prompt)
+    gets none, as under plain SDPA: its causal mask would take T x T bytes (1 GiB at 32k tokens), and the backend
+    reads a missing mask as every token real and causal. A decode step's mask is always built, so that deciding
+    whether it could be skipped never reads the padding on the host."""
+    kwargs["allow_is_causal_skip"] = kwargs.get("allow_is_causal_skip", True) and q_length > 1
+    return sdpa_mask(*args, q_length=q_length, **kwargs)
 
 
 def _attention(
