@@ -4,11 +4,13 @@ their prompt passes."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import sys
 import tempfile
 import time
 import traceback
-from contextlib import suppress
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -119,8 +121,10 @@ def existing(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
 def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, dict[str, Any]]:
     """:func:`run`, also saying whether the run was computed (``"ran"``) or its record existed (``"skipped"``).
 
-    Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip.
+    Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip. A computed
+    run removes the failure record an earlier failure of the same settings left (:func:`record_failure`).
     """
+    given = config
     config = validate(config)
     path = results.record_path(config["results_dir"], config)
     with results.exclusive(path):
@@ -129,7 +133,7 @@ def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, 
             print(summary_line(record))
             return "skipped", record
         record = compute([config], work_dir)[0]
-    results.failure_path(path).unlink(missing_ok=True)
+    failure_path(given).unlink(missing_ok=True)
     return "ran", record
 
 
@@ -231,15 +235,35 @@ def _warn_tiny_budget(record: dict[str, Any]) -> None:
         )
 
 
+def failure_path(config: dict[str, Any]) -> Path:
+    """Where a failed run's error is kept: ``<results_dir>/failed/``, in a file named like a record (model, task,
+    policy, budget, protocol, shots, hash) but from the settings as given, the hash covering those that make a
+    record's identity. A record's own name needs the built policy and the data's content, which an invalid setting
+    may not give: nothing here builds or reads anything that could fail again."""
+    settings = {key: value for key, value in config.items() if key not in results.NOT_IDENTITY}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+    def name(key: str) -> Any:
+        value = config.get(key)
+        return value.get("name") if isinstance(value, dict) else value
+
+    parts = [
+        name("model"),
+        name("task"),
+        name("policy"),
+        f"b{config.get('budget')}",
+        config.get("protocol"),
+        f"{config.get('num_fewshot')}shot",
+        digest,
+    ]
+    file_name = "__".join(re.sub(r"[^\w.+-]", "_", str(part)) for part in parts)
+    return Path(config.get("results_dir") or "results") / "failed" / f"{file_name}.json"
+
+
 def record_failure(config: dict[str, Any], error: BaseException) -> Path:
-    """Keep a failed run's error in a record of its own (``<results_dir>/failed/``), outside the results."""
-    with suppress(ConfigError):  # an invalid config is named from its settings as given
-        config = validate(config)
-    try:
-        record = results.record_path(config["results_dir"], config)
-    except ConfigError:  # its data cannot be read, so it is named as if it read the hub's
-        record = results.record_path(config["results_dir"], {**config, "data_dir": None})
-    path = results.failure_path(record)
+    """Keep a failed run's error, its traceback and its settings as given in a record of its own
+    (:func:`failure_path`), outside the results. Returns its path."""
+    path = failure_path(config)
     results.write_record(
         path,
         {
