@@ -102,19 +102,12 @@ def test_a_sweep_killed_mid_run_resumes_with_only_what_is_missing(tmp_path, data
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
-def test_a_failing_job_is_recorded_and_the_others_run(tmp_path, data_dir):
+def test_a_failing_job_is_recorded_the_others_run_and_a_fixed_rerun_removes_its_failure(tmp_path, data_dir):
     local = tmp_path / "data"
     local.mkdir()
     (local / "copa").symlink_to(data_dir / "copa")  # rte's data is missing
-    done = sweep(
-        "model=tiny-llama",
-        "task=copa,rte",
-        "policy=h2o",
-        "limit=4",
-        f"data_dir={local}",
-        "results_dir=out",
-        cwd=tmp_path,
-    )
+    args = ("model=tiny-llama", "task=copa,rte", "policy=h2o", "limit=4", f"data_dir={local}", "results_dir=out")
+    done = sweep(*args, cwd=tmp_path)
     assert done.returncode == 1
     assert "1 ran, 0 skipped, 1 failed" in done.stdout
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("  failed: ")]
@@ -123,6 +116,11 @@ def test_a_failing_job_is_recorded_and_the_others_run(tmp_path, data_dir):
     (failure,) = (tmp_path / "out" / "failed").glob("*.json")
     saved = json.loads(failure.read_text())
     assert saved["error"].startswith("ConfigError: no data file") and saved["config"]["task"]["name"] == "rte"
+
+    (local / "rte").symlink_to(data_dir / "rte")  # fixed: the rerun computes rte and its failure record goes
+    again = sweep(*args, cwd=tmp_path)
+    assert again.returncode == 0 and "1 ran, 1 skipped, 0 failed" in again.stdout, again.stdout[-3000:]
+    assert not failure.exists()
 
 
 def test_an_invalid_job_of_a_sweep_is_a_failed_line_and_a_record_without_a_traceback(tmp_path, data_dir):
