@@ -18,7 +18,7 @@ from typing import Any
 from h2o_eval import results, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol, configured_policy
-from h2o_eval.runners import Evaluation, runner_of
+from h2o_eval.runners import Evaluation, check_task_keys, runner_of
 from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
 
@@ -38,8 +38,9 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     hub data must be reachable (in the local cache, or the hub online), so a bad input stops the run with one line
     instead of a traceback later.
     """
-    policy = configured_policy(config)
     task = config["task"]
+    check_task_keys(task)
+    policy = configured_policy(config)
     runner = runner_of(task)
     limit = config["limit"]
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
