@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from h2o_eval.callbacks import plain_config
 from h2o_eval.errors import ConfigError
@@ -20,18 +23,20 @@ STATUS_FILE = "status.json"
 
 @hydra.main(version_base="1.3", config_path="pkg://h2o_eval.conf", config_name="config")
 def main(cfg: DictConfig) -> str:
-    """One run. In a sweep a failing run does not stop the others: its error goes to a record of its own,
-    and every job leaves ``status.json`` (ran, skipped or failed) for the sweep's summary."""
+    """One run. In a sweep a failing run does not stop the others: its error goes to a record of its own, with its
+    traceback (the terminal gets one ``failed:`` line), and every job leaves ``status.json`` (ran, skipped or
+    failed) for the sweep's summary."""
     hydra_config = HydraConfig.get()
-    config = plain_config(cfg)
     work_dir = Path(hydra_config.runtime.output_dir)
     sweeping = hydra_config.mode == RunMode.MULTIRUN
-    if config["threads"] is None:
-        config["threads"] = default_threads(OmegaConf.to_container(hydra_config.launcher, resolve=True))
-    if sweeping and config["wandb"]["group"] is None:
-        config["wandb"]["group"] = Path(hydra_config.sweep.dir).name
     status: dict[str, str] = {"overrides": " ".join(hydra_config.overrides.task)}
+    config: dict[str, Any] | None = None
     try:
+        config = plain_config(cfg)
+        if config["threads"] is None:
+            config["threads"] = default_threads(OmegaConf.to_container(hydra_config.launcher, resolve=True))
+        if sweeping and config["wandb"]["group"] is None:
+            config["wandb"]["group"] = Path(hydra_config.sweep.dir).name
         status["status"], _ = execute(config, work_dir)
     except Exception as error:
         if not sweeping:
@@ -41,11 +46,27 @@ def main(cfg: DictConfig) -> str:
         status |= {
             "status": "failed",
             "error": f"{type(error).__name__}: {error}",
-            "failure_record": str(record_failure(config, error)),
+            "failure_record": str(record_failure(config or given_settings(cfg), error)),
         }
         print(f"failed: {status['error']}")
     (work_dir / STATUS_FILE).write_text(json.dumps(status))
     return status["status"]
+
+
+def given_settings(cfg: DictConfig) -> dict[str, Any]:
+    """A run's settings when they cannot all be resolved (a task-dependent default that fails, a missing value):
+    each resolved where it can be, else None, for the failure's record."""
+    settings: dict[str, Any] = {}
+    for key in cfg:
+        try:
+            value = cfg[key]
+            settings[key] = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+        except OmegaConfBaseException:
+            settings[key] = None
+    settings.pop("hydra", None)
+    if settings.get("results_dir") is not None:
+        settings["results_dir"] = to_absolute_path(settings["results_dir"])
+    return settings
 
 
 if __name__ == "__main__":

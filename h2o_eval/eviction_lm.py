@@ -20,6 +20,7 @@ from lm_eval.models.huggingface import HFLM
 from h2o_eval import generation
 from h2o_eval.backend import Session, patch
 from h2o_eval.errors import ConfigError
+from h2o_eval.policies import Policy
 
 MODEL_NAME = "h2o_eval"
 
@@ -80,7 +81,7 @@ class EvictionLM(HFLM):
     @classmethod
     def from_settings(
         cls,
-        pretrained: str,
+        pretrained: str | None = None,
         policy: str = "h2o",
         budget: float | int = 0.2,
         protocol: str = "simulate",
@@ -93,23 +94,16 @@ class EvictionLM(HFLM):
     ) -> EvictionLM:
         """The model ``pretrained`` (registry name, HF id or local path) patched with ``policy`` at ``budget``
         for as long as the returned object lives; ``params`` override the policy's own settings
-        (``conf/policy/<policy>.yaml``), e.g. ``heavy_ratio``."""
+        (``conf/policy/<policy>.yaml``), e.g. ``heavy_ratio``. Every setting is checked before the weights load
+        (:func:`check_settings`)."""
         from h2o_eval.models import load_model
-        from h2o_eval.policies import make_policy
 
-        if protocol == "context":
-            raise ConfigError(
-                "protocol=context needs the task's prompts to find each question: use python -m h2o_eval "
-                "task=lm_eval task.name=... protocol=context"
-            )
-        if not str(batch_size).isdigit():
-            raise ConfigError(f"--batch_size {batch_size}: use a number (eviction needs each batch's layout)")
-        if str(device).startswith("cuda") and not torch.cuda.is_available():
-            device = "cpu"  # lm-eval's CLI asks for cuda:0 unless told otherwise; its HFLM falls back like this
+        built, device = check_settings(
+            pretrained, policy, budget, protocol, kernels, device, dtype, batch_size, **params
+        )
         model, tokenizer = load_model(pretrained, device=device, dtype=dtype)
-        settings = policy_settings(policy) | params
         stack = ExitStack()
-        session = stack.enter_context(patch(model, make_policy(policy, budget, **settings), protocol, kernels))
+        session = stack.enter_context(patch(model, built, protocol, kernels))
         lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size), session=session, kernels=kernels)
         lm.patched = stack  # the model stays patched while the LM lives
         return lm
@@ -226,6 +220,47 @@ class EvictionLM(HFLM):
             self.generation = generation.GenerationLog(max_new_tokens=max_length - ids.shape[1])
         self.generation.add(batch, sequences, cache, time.perf_counter() - began, generation.end_tokens(self.tokenizer))
         return sequences
+
+
+def check_settings(
+    pretrained: str | None = None,
+    policy: str = "h2o",
+    budget: float | int = 0.2,
+    protocol: str = "simulate",
+    kernels: str = "auto",
+    device: str = "auto",
+    dtype: str = "auto",
+    batch_size: int | str = 1,
+    max_batch_size: int | None = None,
+    **params: Any,
+) -> tuple[Policy, str]:
+    """The settings of :meth:`EvictionLM.from_settings` (lm-eval's ``--model_args``, ``--batch_size`` and
+    ``--device``), each refused in one line naming the fix before any weights load: the policy, its parameters and
+    budget, the protocol and kernels, the batch size, device and dtype, and the model's availability. Returns the
+    policy and the device to load on: a CUDA device falls back to the CPU without CUDA, as lm-eval's own ``hf``
+    model does (lm-eval asks for ``cuda:0`` unless told otherwise). ``max_batch_size`` (lm-eval's, for automatic
+    batch sizes, which eviction refuses) is taken and ignored."""
+    from h2o_eval.models import check_available, resolve_device, resolve_dtype
+    from h2o_eval.policies import check_kernels, check_protocol, make_policy
+
+    if pretrained is None:
+        raise ConfigError("--model_args names no model: add pretrained=NAME (a registry name, a hub id or a path)")
+    if protocol == "context":
+        raise ConfigError(
+            "protocol=context needs the task's prompts to find each question: use python -m h2o_eval "
+            "task=lm_eval task.name=... protocol=context"
+        )
+    built = make_policy(policy, budget, **(policy_settings(policy) | params))
+    check_protocol(built, protocol, kernels)
+    if not str(batch_size).isdigit() or int(batch_size) < 1:
+        raise ConfigError(f"--batch_size {batch_size}: use a number >= 1 (eviction needs each batch's layout)")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        device = "cpu"
+    target = resolve_device(device)
+    resolve_dtype(dtype, target)
+    check_kernels(kernels, target.type)
+    check_available(pretrained)
+    return built, device
 
 
 def policy_settings(name: str) -> dict[str, Any]:

@@ -55,13 +55,14 @@ def preset_sweep(overrides: list[str]) -> list[str]:
 
 
 def compose(overrides: list[str]) -> dict[str, Any]:
-    """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name stops
-    the whole sweep with one line."""
+    """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name, or a
+    task setting its task does not take, stops the whole sweep with one line."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
 
     from h2o_eval.callbacks import plain_config
+    from h2o_eval.runners import check_task_keys
     from h2o_eval.threads import default_threads
 
     try:
@@ -70,6 +71,7 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     except HydraException as error:  # e.g. "Could not find 'policy/x'", then the options, one per line
         lines = [line.strip() for line in str(error).split("Config search path")[0].splitlines() if line.strip()]
         raise ConfigError(lines[0] + (f" ({lines[1]} {', '.join(lines[2:])})" if len(lines) > 2 else "")) from None
+    check_task_keys(config["task"])
     if config["threads"] is None:
         config["threads"] = default_threads(None)
     return config

@@ -164,11 +164,6 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     _atomic_write(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
-def failure_path(record: Path) -> Path:
-    """Where the error of a failed run with this record path is kept (never read as a result)."""
-    return record.parent / "failed" / record.name
-
-
 @contextmanager
 def exclusive(record: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``record``'s setting: one process computes it while the others wait.

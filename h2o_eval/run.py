@@ -4,6 +4,9 @@ their prompt passes."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import resource
 import sys
 import tempfile
@@ -17,7 +20,7 @@ from typing import Any
 from h2o_eval import results, settings, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol, configured_policy
-from h2o_eval.runners import Evaluation, runner_of
+from h2o_eval.runners import Evaluation, check_task_keys, runner_of
 from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
 
@@ -39,8 +42,9 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     hub data must be reachable (in the local cache, or the hub online), so a bad input stops the run with one line
     instead of a traceback later.
     """
-    policy = configured_policy(config)
     task = config["task"]
+    check_task_keys(task)
+    policy = configured_policy(config)
     runner = runner_of(task)
     limit = config["limit"]
     if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
@@ -123,8 +127,10 @@ def existing(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
 def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, dict[str, Any]]:
     """:func:`run`, also saying whether the run was computed (``"ran"``) or its record existed (``"skipped"``).
 
-    Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip.
+    Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip. A computed
+    run removes the failure record an earlier failure of the same settings left (:func:`record_failure`).
     """
+    given = config
     config = validate(config)
     path = results.record_path(config["results_dir"], config)
     with results.exclusive(path):
@@ -133,7 +139,7 @@ def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, 
             print(summary_line(record))
             return "skipped", record
         record = compute([config], work_dir)[0]
-    results.failure_path(path).unlink(missing_ok=True)
+    failure_path(given).unlink(missing_ok=True)
     return "ran", record
 
 
@@ -287,15 +293,35 @@ def _warn_tiny_budget(record: dict[str, Any]) -> None:
         )
 
 
+def failure_path(config: dict[str, Any]) -> Path:
+    """Where a failed run's error is kept: ``<results_dir>/failed/``, in a file named like a record (model, task,
+    policy, budget, protocol, shots, hash) but from the settings as given, the hash covering those that make a
+    record's identity. A record's own name needs the built policy and the data's content, which an invalid setting
+    may not give: nothing here builds or reads anything that could fail again."""
+    settings = {key: value for key, value in config.items() if key not in results.NOT_IDENTITY}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+    def name(key: str) -> Any:
+        value = config.get(key)
+        return value.get("name") if isinstance(value, dict) else value
+
+    parts = [
+        name("model"),
+        name("task"),
+        name("policy"),
+        f"b{config.get('budget')}",
+        config.get("protocol"),
+        f"{config.get('num_fewshot')}shot",
+        digest,
+    ]
+    file_name = "__".join(re.sub(r"[^\w.+-]", "_", str(part)) for part in parts)
+    return Path(config.get("results_dir") or "results") / "failed" / f"{file_name}.json"
+
+
 def record_failure(config: dict[str, Any], error: BaseException) -> Path:
-    """Keep a failed run's error in a record of its own (``<results_dir>/failed/``), outside the results."""
-    with suppress(ConfigError):  # an invalid config is named from its settings as given
-        config = validate(config)
-    try:
-        record = results.record_path(config["results_dir"], config)
-    except ConfigError:  # its data cannot be read, so it is named as if it read the hub's
-        record = results.record_path(config["results_dir"], {**config, "data_dir": None})
-    path = results.failure_path(record)
+    """Keep a failed run's error, its traceback and its settings as given in a record of its own
+    (:func:`failure_path`), outside the results. Returns its path."""
+    path = failure_path(config)
     results.write_record(
         path,
         {

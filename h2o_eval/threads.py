@@ -38,22 +38,19 @@ def default_threads(launcher: dict[str, Any] | None) -> int:
 
 
 def apply(threads: int) -> dict[str, Any]:
-    """Use ``threads`` threads in torch, numba and the BLAS (through threadpoolctl when it is installed, and the
-    environment for libraries loaded later). Returns what each library reports afterwards."""
+    """Use ``threads`` threads in torch, numba and the BLAS (through threadpoolctl, and the environment for
+    libraries loaded later). Returns what each library reports afterwards."""
     for variable in THREAD_VARIABLES:
         os.environ[variable] = str(threads)
     if "numba" not in sys.modules:  # numba's ceiling, read once on import; changed later, numba refuses to compile
         os.environ["NUMBA_NUM_THREADS"] = str(threads)
     import numba
     import torch
+    from threadpoolctl import threadpool_info, threadpool_limits
 
     torch.set_num_threads(threads)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     applied: dict[str, Any] = {"threads": threads, "torch": torch.get_num_threads(), "numba": numba.get_num_threads()}
-    try:
-        from threadpoolctl import threadpool_info, threadpool_limits
-    except ImportError:
-        return applied
     threadpool_limits(limits=threads)
     applied["blas"] = sorted({pool["num_threads"] for pool in threadpool_info()})
     return applied

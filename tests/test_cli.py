@@ -148,6 +148,18 @@ def bad_copa(tmp_path, content: str) -> str:
             lambda tmp, data: ["task=niah_single_2", "task.length=100000", f"data_dir={data}"],
             "task.length=100000 exceeds tiny-llama's 2048 positions: use task.length <= 2048",
         ),
+        (
+            lambda tmp, data: ["task=niah_single_2", "+task.lenght=1024", f"data_dir={data}"],
+            "task niah_single_2 takes no lenght (task.length?): its settings are depths, family, fit_tokenizer",
+        ),
+        (
+            lambda tmp, data: ["task=xsum", "+task.max_new_tokens=8", f"data_dir={data}"],
+            "task xsum takes no max_new_tokens: its settings are hub, name, runner, split, template",
+        ),
+        (
+            lambda tmp, data: ["task=copa", f"+task.include_path={tmp}", f"data_dir={data}"],
+            "task copa takes no include_path: its settings are lm_eval_yaml, metric, name, runner",
+        ),
     ],
     ids=[
         "model-offline",
@@ -159,6 +171,9 @@ def bad_copa(tmp_path, content: str) -> str:
         "read-only",
         "missing-mandatory",
         "beyond-positions",
+        "unknown-task-key-long-context",
+        "unknown-task-key-summarisation",
+        "unknown-task-key-lm_eval",
     ],
 )
 def test_bad_input_is_one_line_before_any_model_and_leaves_nothing(tmp_path, data_dir, make_args, message):

@@ -407,6 +407,15 @@ def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
         SharedPrompt([EvictionCache(load_model("tiny-llama")[0], make_policy("h2o", budget=0.5))])
 
 
+def test_the_grid_refuses_a_task_setting_its_task_does_not_take_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        grid.main(["model=tiny-llama", "task=niah_single_1,vt", "+task.num_hops=2", f"results_dir={tmp_path / 'r'}"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith("error: task niah_single_1 takes no num_hops: its settings are ")
+    assert not (tmp_path / "r").exists()
+
+
 def test_grid_records_name_the_commit_their_cells_started_from(data_dir, tmp_path, commit_lands_during_the_run):
     args = ["model=tiny-llama", "task=niah_single_1", "task.length=600", "++task.max_new_tokens=2", "limit=2"]
     grid.main(

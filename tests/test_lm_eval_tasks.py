@@ -282,3 +282,50 @@ def test_lm_eval_cli_reads_local_data_as_h2o_eval_does(tmp_path, data_dir):
     assert refused.returncode == 2 and "Loading weights" not in refused.stderr
     assert refused.stderr.strip().splitlines()[-1].startswith("error: task=copa reads ")
     assert "set --data_dir to a folder holding copa/<split>.jsonl" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("model_args", "extra", "message"),
+    [
+        ("pretrained=tiny-llama,policy=h2oo", [], "unknown policy 'h2oo': use one of full, h2o, local"),
+        ("pretrained=tiny-llama,budget=1.5", [], "budget=1.5: use a fraction in (0, 1]"),
+        ("pretrained=tiny-llama,heavy_ratioo=0.3", [], "policy 'h2o' takes no heavy_ratioo: its parameters are"),
+        ("pretrained=tiny-llama,protocol=strem", [], "protocol='strem': use one of simulate, prefill"),
+        ("pretrained=tiny-llama,kernels=fast", [], "kernels='fast': use one of auto, torch, triton"),
+        ("pretrained=tiny-llama,dtype=float99", [], "unknown dtype 'float99'"),
+        ("pretrained=tiny-llama", ["--batch_size", "auto"], "--batch_size auto: use a number >= 1"),
+        ("pretrained=tiny-llama", ["--device", "gpu"], "device='gpu' is not a device"),
+        ("policy=h2o", [], "--model_args names no model: add pretrained=NAME"),
+        ("pretrained=nobody/no-model", [], "nobody/no-model is not in the Hugging Face cache"),
+        ("pretrained=tiny-llama,policy=kvzip,protocol=prefill", [], "policy=kvzip scores its prompt by extra passes"),
+    ],
+    ids=[
+        "policy",
+        "budget",
+        "policy-parameter",
+        "protocol",
+        "kernels",
+        "dtype",
+        "batch-size",
+        "device",
+        "no-model",
+        "model-offline",
+        "policy-for-task",
+    ],
+)
+def test_lm_eval_cli_refuses_bad_model_args_in_one_line_before_any_model_loads(
+    model_args, extra, message, data_dir, monkeypatch, capsys
+):
+    """In-process, with ``load_model`` replaced by one that records its calls: each bad setting stops the CLI with
+    one line and exit status 2, and no model was ever asked for."""
+    from h2o_eval import lm_eval, models
+
+    loads = []
+    monkeypatch.setattr(models, "load_model", lambda *args, **kwargs: loads.append(args))
+    argv = ["--model", "h2o_eval", "--model_args", model_args, "--tasks", "copa", "--data_dir", str(data_dir), *extra]
+    monkeypatch.setattr(sys, "argv", ["h2o_eval.lm_eval", *argv, "--limit", "2"])
+    with pytest.raises(SystemExit) as stopped:
+        lm_eval.main()
+    assert stopped.value.code == 2 and not loads
+    error = capsys.readouterr().err.strip()
+    assert "\n" not in error and error.startswith("error: ") and message in error, error

@@ -102,19 +102,12 @@ def test_a_sweep_killed_mid_run_resumes_with_only_what_is_missing(tmp_path, data
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
-def test_a_failing_job_is_recorded_and_the_others_run(tmp_path, data_dir):
+def test_a_failing_job_is_recorded_the_others_run_and_a_fixed_rerun_removes_its_failure(tmp_path, data_dir):
     local = tmp_path / "data"
     local.mkdir()
     (local / "copa").symlink_to(data_dir / "copa")  # rte's data is missing
-    done = sweep(
-        "model=tiny-llama",
-        "task=copa,rte",
-        "policy=h2o",
-        "limit=4",
-        f"data_dir={local}",
-        "results_dir=out",
-        cwd=tmp_path,
-    )
+    args = ("model=tiny-llama", "task=copa,rte", "policy=h2o", "limit=4", f"data_dir={local}", "results_dir=out")
+    done = sweep(*args, cwd=tmp_path)
     assert done.returncode == 1
     assert "1 ran, 0 skipped, 1 failed" in done.stdout
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("  failed: ")]
@@ -123,6 +116,50 @@ def test_a_failing_job_is_recorded_and_the_others_run(tmp_path, data_dir):
     (failure,) = (tmp_path / "out" / "failed").glob("*.json")
     saved = json.loads(failure.read_text())
     assert saved["error"].startswith("ConfigError: no data file") and saved["config"]["task"]["name"] == "rte"
+
+    (local / "rte").symlink_to(data_dir / "rte")  # fixed: the rerun computes rte and its failure record goes
+    again = sweep(*args, cwd=tmp_path)
+    assert again.returncode == 0 and "1 ran, 1 skipped, 0 failed" in again.stdout, again.stdout[-3000:]
+    assert not failure.exists()
+
+
+def test_an_invalid_job_of_a_sweep_is_a_failed_line_and_a_record_without_a_traceback(tmp_path, data_dir):
+    """budget=1.5 builds no policy, so no record name: the job is still recorded under failed/ (with its
+    traceback), named from its settings as given, and the sweep still ends with its summary."""
+    done = sweep(
+        "model=tiny-llama",
+        "task=copa",
+        "policy=h2o",
+        "budget=0.2,1.5",
+        "limit=2",
+        f"data_dir={data_dir}",
+        "results_dir=out",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    assert "failed: ConfigError: budget=1.5: use a fraction in (0, 1]" in done.stdout
+    assert "1 ran, 0 skipped, 1 failed" in done.stdout
+    assert records(tmp_path / "out") == [("copa", "h2o", 0.2)]
+    (failure,) = (tmp_path / "out" / "failed").glob("*.json")
+    assert failure.name.startswith("tiny-llama__copa__h2o__b1.5__simulate__0shot__")
+    assert f"(record: {failure})" in done.stdout
+    saved = json.loads(failure.read_text())
+    assert saved["error"].startswith("ConfigError: budget=1.5") and saved["config"]["budget"] == 1.5
+    assert "ConfigError" in saved["traceback"][-1]
+
+
+def test_a_job_whose_task_default_cannot_resolve_is_a_failed_job(tmp_path):
+    """The task's default protocol comes from its lm-eval YAML, which a missing include path cannot give: the job
+    fails like any other, its unresolved settings recorded as null."""
+    done = sweep("model=tiny-llama", "task=lm_eval", "task.name=mine", "task.include_path=nowhere", "results_dir=out",
+                 cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    assert "failed: ConfigError: task.include_path=" in done.stdout and "0 ran, 0 skipped, 1 failed" in done.stdout
+    (failure,) = (tmp_path / "out" / "failed").glob("*.json")
+    saved = json.loads(failure.read_text())
+    assert saved["config"]["protocol"] is None and saved["config"]["task"]["name"] == "mine"
 
 
 def _read(path: Path) -> str:

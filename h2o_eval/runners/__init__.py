@@ -12,6 +12,7 @@ Nothing outside a runner branches on what kind of task runs: the CLI's validatio
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import import_module
@@ -45,6 +46,20 @@ class Runner:
     """A task family: its settings and their validation, the data it reads, its defaults, and its evaluation."""
 
     name: ClassVar[str]
+    # Task settings the runner reads that a task's own config may leave out.
+    optional: ClassVar[tuple[str, ...]] = ()
+
+    def settings(self, task: Mapping[str, Any]) -> set[str]:
+        """The task settings (``task.<key>``) this runner reads for ``task``: the keys of its own config
+        (``conf/task/<name>.yaml``) and the runner's :attr:`optional` ones; a task that is not in ``conf/task/``
+        may take any key of its runner's tasks."""
+        registry = task_registry()
+        own = registry.get(task["name"])
+        if own is not None and own.get("runner") == self.name:
+            keys = set(own)
+        else:
+            keys = {key for config in registry.values() if config.get("runner") == self.name for key in config}
+        return keys | set(self.optional)
 
     def default_protocol(self, task: Mapping[str, Any]) -> str:
         """The protocol when none is given: ``simulate`` for log-likelihood tasks, ``prefill`` for generation."""
@@ -103,6 +118,20 @@ def runner_of(task: Mapping[str, Any]) -> Runner:
     if name not in RUNNERS:
         raise ConfigError(f"task.runner={name!r}: use one of {', '.join(RUNNERS)}")
     return import_module(RUNNERS[name]).RUNNER
+
+
+def check_task_keys(task: Mapping[str, Any]) -> None:
+    """Refuse a task setting its runner does not read (``task.lenght``, or a key of another family's tasks), which
+    would otherwise be stored in the record and change nothing else."""
+    valid = runner_of(task).settings(task)
+    unknown = sorted(set(task) - valid)
+    if not unknown:
+        return
+    close = difflib.get_close_matches(unknown[0], valid, n=1)
+    hint = f" (task.{close[0]}?)" if close else ""
+    raise ConfigError(
+        f"task {task['name']} takes no {', '.join(unknown)}{hint}: its settings are {', '.join(sorted(valid))}"
+    )
 
 
 def task_registry() -> dict[str, dict[str, Any]]:

@@ -22,7 +22,7 @@ import yaml
 from h2o_eval import hub
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
-from h2o_eval.runners import Evaluation, Runner
+from h2o_eval.runners import Evaluation, Runner, task_registry
 
 
 def lm_eval_tasks_dir() -> Path:
@@ -195,6 +195,14 @@ class LmEvalRunner(Runner):
     """lm-eval's tasks, scored by lm-eval on :class:`~h2o_eval.eviction_lm.EvictionLM`."""
 
     name = "lm_eval"
+    optional = ("metric",)  # the record's headline metric, for any lm-eval task
+
+    def settings(self, task: Mapping[str, Any]) -> set[str]:
+        """A task named by ``task=lm_eval`` (no ``lm_eval_yaml``) takes the settings of ``conf/task/lm_eval.yaml``
+        (``include_path``, ``metric``), whatever its name; one of ``conf/task/`` those of its own config."""
+        if task.get("lm_eval_yaml") is None:
+            return set(task_registry()["lm_eval"]) | set(self.optional)
+        return super().settings(task)
 
     def default_protocol(self, task: Mapping[str, Any]) -> str:
         return "prefill" if self.generates(task) else "simulate"
