@@ -17,7 +17,7 @@
 #   full_gemma    the same for Gemma 3 270M
 #   floor         h2o, local and snapkv at 25 % on niah_single_2 at 4k (context protocol, the policies' own
 #                 decoding), SmolLM2, 10 documents, against the news-haystack grid's 0.20 floor
-#   leaderboard   +experiment=kv_leaderboard: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe, fwe
+#   leaderboard   +experiment=kv_leaderboard_shared: SmolLM2, 4 questions per haystack, 10 haystacks per task (cwe, fwe
 #                 and qa_2, which ask one question: 40), 12 policies x 4 ratios; Gemma 3 with 5 haystacks (cwe, fwe,
 #                 qa_2: 20). qa_2's ten paragraphs per question fill 4k: in SmolLM2's tokens two questions' leave no room for
 #                 a distractor and three do not fit, so it asks one, as RULER does.
@@ -69,14 +69,14 @@ board() {  # board MODEL HAYSTACKS BATCH [OVERRIDE...]: 4 questions per haystack
     local -a size
     for task in ${board_tasks//,/ }; do
         case $task in
-            cwe | fwe | qa_2) size=(limit=$((4 * limit)) batch_size=$((2 * batch))) exclusive=true ;;
-            *) size=(task.questions=4 limit="$limit" batch_size="$batch") exclusive=false ;;
+            cwe | fwe | qa_2) size=(task.questions=1 limit=$((4 * limit)) batch_size=$((2 * batch))) exclusive=true ;;
+            *) size=(limit="$limit" batch_size="$batch") exclusive=false ;;
         esac
         for group in "${board_groups[@]}"; do
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
             {  # 4 contexts a batch: SmolLM2's unit peaks at 12.5-13.2 GB, two at once were OOM-killed on 24 GiB
                 ! $exclusive || flock 9
-                grid +experiment=kv_leaderboard model="$model" task="$task" "${size[@]}" policy="$group" \
+                grid +experiment=kv_leaderboard_shared model="$model" task="$task" "${size[@]}" policy="$group" \
                     results_dir="$out/leaderboard" "$@"
             } 9>"${TMPDIR:-/tmp}/h2o_eval_board.lock"
         done

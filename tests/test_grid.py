@@ -449,3 +449,16 @@ def test_the_leaderboard_preset_sweeps_rulers_tasks_in_kvpress_protocol(data_dir
     snapkv = {r["budget"]: r["capacity"]["capacity_mean"] for r in records if r["policy"] == "snapkv"}
     context = records[0]["capacity"]["length_mean"]
     assert snapkv[0.25] == pytest.approx(int(0.25 * context), abs=1) and snapkv[0.75] > snapkv[0.25]
+
+
+@pytest.mark.parametrize(("preset", "questions"), [("kv_leaderboard", 1), ("kv_leaderboard_shared", 4)])
+def test_the_leaderboard_presets_name_their_questions_per_context_and_take_16_and_32_to_1(data_dir, preset, questions):
+    """kvpress's protocol asks one question per context; the shared-context one four. Both take the ratios 0.9375 and
+    0.96875 (budgets 0.0625 and 0.03125), where methods that look alike at 0.875 part."""
+    from h2o_eval.grid import compose
+
+    for budget in (0.0625, 0.03125):
+        config = validate(compose([f"+experiment={preset}", "model=smollm2-135m", "task=niah_single_2",
+                                   "policy=snapkv", f"budget={budget}", f"data_dir={data_dir}"]))  # fmt: skip
+        assert (config["task"]["questions"], config["budget"], config["protocol"]) == (questions, budget, "context")
+        assert (config["decoding"], config["rounding"]) == ("grow", "down")

@@ -45,7 +45,7 @@ def main() -> None:
             out = Path(folder) / f"stack_{stack}"
             began = time.perf_counter()
             grid.main([
-                "+experiment=kv_leaderboard", f"model={args.model}", f"task={args.task}", "task.questions=4",
+                "+experiment=kv_leaderboard_shared", f"model={args.model}", f"task={args.task}",
                 f"limit={args.haystacks}", "batch_size=1", f"policy={args.policies}",
                 f"stack_cells={str(stack).lower()}", f"data_dir={args.data_dir.resolve()}", f"results_dir={out}",
                 "threads=1", "wandb.mode=disabled",
