@@ -15,7 +15,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from h2o_eval.callbacks import plain_config
 from h2o_eval.errors import ConfigError
-from h2o_eval.run import execute, fail, record_failure
+from h2o_eval.run import execute, fail, record_failure, validate
 from h2o_eval.threads import default_threads
 
 STATUS_FILE = "status.json"
@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> str:
             config["threads"] = default_threads(OmegaConf.to_container(hydra_config.launcher, resolve=True))
         if sweeping and config["wandb"]["group"] is None:
             config["wandb"]["group"] = Path(hydra_config.sweep.dir).name
-        status["status"], _ = execute(config, work_dir)
+        status["status"], _ = execute(validate(config), work_dir, given=config)
     except Exception as error:
         if not sweeping:
             if isinstance(error, ConfigError):

@@ -183,9 +183,9 @@ class EvictionLM(HFLM):
         return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad)
 
     def _generate(self, ids, mask, width, max_length, stop, generation_kwargs):
-        """HFLM's ``model.generate`` call through a fresh :class:`EvictionCache`: the context columns fed first,
-        a policy that scores its prompt by extra passes running them before the compression (under ``prefill``
-        the prompt's forward also gives the first token)."""
+        """HFLM's ``model.generate`` call through a fresh :class:`EvictionCache`, on the one generation path
+        (:func:`h2o_eval.generation.complete`: the context columns fed and compressed first, a policy's extra
+        passes before its compression), decoding with HFLM's own call so its stop sequences apply."""
         from h2o_eval.cache import EvictionCache
 
         batch = generation.Batch(ids, mask, width)
@@ -199,23 +199,16 @@ class EvictionLM(HFLM):
                 f"policy {cache.policy.name!r} needs each request's full-cache answer, which lm-eval's "
                 "generate_until requests do not give it: use it on a long-context or summarisation task"
             )
-        generation.feed_context(self.model, cache, batch)
-        if width is not None:
-            questions = ids[:, width:].tolist()
-            generation.settle(self.model, cache, self.tokenizer, ids[:, :width], mask[:, :width], questions)
-        elif cache.deferred:
-            ids = super()._model_generate(ids, ids.shape[1] + 1, stop, attention_mask=mask, cache=cache,
-                                          **generation_kwargs)  # fmt: skip
-            generation.settle(self.model, cache, self.tokenizer, batch.input_ids, mask, [[]] * ids.shape[0])
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-        sequences = super()._model_generate(
-            ids,
-            max_length,
-            stop,
-            attention_mask=mask,
-            cache=cache,
+
+        def generate(ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int, **settings: Any) -> torch.Tensor:
+            return HFLM._model_generate(
+                self, ids, ids.shape[1] + max_new_tokens, stop, attention_mask=mask, cache=cache, **settings
+            )
+
+        sequences = generation.complete(
+            self.model, cache, batch, self.tokenizer, generate=generate, max_new_tokens=max_length - ids.shape[1],
             **generation_kwargs,
-        )
+        )  # fmt: skip
         if self.generation is None:
             self.generation = generation.GenerationLog(max_new_tokens=max_length - ids.shape[1])
         self.generation.add(batch, sequences, cache, time.perf_counter() - began, generation.end_tokens(self.tokenizer))

@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
     try:
         if len(outs) != 1:
             raise ConfigError("give the file to write as out=FILE.jsonl (once)")
-        config = validate(compose([arg for arg in argv if not arg.startswith("out=")]))
+        config = validate(compose([arg for arg in argv if not arg.startswith("out=")])).config
         if runner_of(config["task"]).name != "long_context":
             raise ConfigError(f"task {config['task']['name']} is not a long-context task: export writes those")
         lines = rows(config, load_tokenizer(config["model"]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,15 +27,18 @@ from h2o_eval.policies.inputs import Script
 @dataclass
 class Batch:
     """Left-padded prompts: ``input_ids`` and ``attention_mask`` [B, T]; ``context_width``: under
-    ``protocol=context``, the columns of the contexts (fed and compressed first), else None."""
+    ``protocol=context``, the columns of the contexts (fed and compressed first), else None; ``generated``: how
+    many of the last columns were already generated from the prompt before it (a shared prompt pass gives every
+    cache the same first token)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     context_width: int | None = None
+    generated: int = 0
 
     @property
     def prompt_tokens(self) -> list[int]:
-        return self.attention_mask.sum(-1).tolist()
+        return self.attention_mask[:, : self.attention_mask.shape[1] - self.generated].sum(-1).tolist()
 
 
 def make_batch(contexts: list[list[int]], questions: list[list[int]], pad: int, device: Any, *, split: bool) -> Batch:
@@ -67,15 +70,6 @@ def feed(model: Any, cache: EvictionCache | SharedPrompt, input_ids: torch.Tenso
             logits_to_keep=1,
             cache=cache,
         )
-
-
-def feed_context(model: Any, cache: EvictionCache | SharedPrompt, batch: Batch) -> None:
-    """Feed the context columns through ``cache`` as one chunk: the cache prefills and compresses them before the
-    question exists. Nothing to do without a context width, or with an empty question (that is prefill)."""
-    width = batch.context_width
-    if width is None or width >= batch.input_ids.shape[1]:
-        return
-    feed(model, cache, batch.input_ids[:, :width], batch.attention_mask[:, :width])
 
 
 def decode(model: Any, cache: EvictionCache, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any):
@@ -167,32 +161,41 @@ def complete(
     batch: Batch,
     tokenizer: Any,
     answered: dict[Any, list[list[int]]] | None = None,
+    generate: Callable[..., torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """Generate for a batch through ``cache`` (empty, or already holding the batch's context columns): under
-    ``protocol=context`` the context columns are fed first and compressed before the question exists; a policy
-    that scores its prompt by extra passes runs them before the compression (:func:`settle`; under ``prefill``
-    the prompt's forward also gives the first new token, the rest follows the compression). Returns the sequences
-    (prompt + new tokens). ``answered``: the full cache's answers the oracle's passes need, kept across calls
-    (:func:`settle`)."""
+    """The one path of a batch through a cache: feed, compress, decode. ``cache`` is empty or already holds what
+    precedes the batch's unseen columns (a shared prompt pass).
+
+    Under ``protocol=context`` the context columns are fed first and compressed before the question exists. A
+    policy that scores its prompt by extra passes runs them before the compression (:func:`settle`); under
+    ``prefill`` the prompt's forward also gives the first new token (or the batch brings it, ``generated``), the
+    rest follows the compression. ``generate(ids, mask, **kwargs)`` decodes (default :func:`decode` through the
+    cache; lm-eval passes its own, which stops at the task's stop sequences); ``kwargs`` are its settings, with
+    ``max_new_tokens``. Returns the sequences (prompt + new tokens). ``answered``: the full cache's answers the
+    oracle's passes need, kept across calls (:func:`settle`)."""
     ids, mask, width = batch.input_ids, batch.attention_mask, batch.context_width
-    kwargs = kwargs | {"tokenizer": tokenizer}
-    settled = {key: value for key, value in kwargs.items() if key != "tokenizer"}
+    if generate is None:
+
+        def generate(ids: torch.Tensor, mask: torch.Tensor, **settings: Any) -> torch.Tensor:
+            return decode(model, cache, ids, mask, tokenizer=tokenizer, **settings)
+
     if width is not None and width < ids.shape[1]:
         if cache.get_seq_length() == 0:
             feed(model, cache, ids[:, :width], mask[:, :width])
         questions = ids[:, width:].tolist()
-        settle(model, cache, tokenizer, ids[:, :width], mask[:, :width], questions, answered=answered, **settled)
-        return decode(model, cache, ids, mask, **kwargs)
-    if not cache.deferred:
-        return decode(model, cache, ids, mask, **kwargs)
-    new = kwargs.get("max_new_tokens") or 1
-    first = decode(model, cache, ids, mask, **kwargs | {"max_new_tokens": 1})
-    settle(model, cache, tokenizer, ids, mask, [[] for _ in range(ids.shape[0])], answered=answered, **settled)
-    if new == 1:
-        return first
-    longer = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-    return decode(model, cache, first, longer, **kwargs | {"max_new_tokens": new - 1})
+        settle(model, cache, tokenizer, ids[:, :width], mask[:, :width], questions, answered=answered, **kwargs)
+        return generate(ids, mask, **kwargs)
+    if not cache.deferred and not batch.generated:
+        return generate(ids, mask, **kwargs)
+    prompt = ids.shape[1] - batch.generated
+    if not batch.generated:  # the prompt's forward, held whole, gives the first token
+        ids = generate(ids, mask, **kwargs | {"max_new_tokens": 1})
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], ids.shape[1] - prompt)], dim=-1)
+    rows = [[] for _ in range(ids.shape[0])]
+    settle(model, cache, tokenizer, ids[:, :prompt], mask[:, :prompt], rows, answered=answered, **kwargs)
+    rest = (kwargs.get("max_new_tokens") or 1) - (ids.shape[1] - prompt)
+    return ids if rest <= 0 else generate(ids, mask, **kwargs | {"max_new_tokens": rest})
 
 
 def generate(

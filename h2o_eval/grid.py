@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from h2o_eval.errors import ConfigError
+
+if TYPE_CHECKING:
+    from h2o_eval.run import Spec
 
 SHARED_KEYS = ("policy", "budget", "protocol")
 
@@ -77,19 +80,17 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     return config
 
 
-def groups(configs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Cells whose runner can share their prompt passes, grouped by everything but policy, budget and protocol;
-    every other cell alone."""
-    from h2o_eval.runners import runner_of
-
-    together: dict[str, list[dict[str, Any]]] = {}
+def groups(specs: list[Spec]) -> list[list[Spec]]:
+    """Validated cells whose runner can share their prompt passes, grouped by everything but policy, budget and
+    protocol; every other cell alone."""
+    together: dict[str, list[Spec]] = {}
     alone = []
-    for config in configs:
-        if runner_of(config["task"]).shares_prompts(config):
-            key = json.dumps({k: v for k, v in config.items() if k not in SHARED_KEYS}, sort_keys=True)
-            together.setdefault(key, []).append(config)
+    for spec in specs:
+        if spec.runner.shares_prompts(spec.config):
+            key = json.dumps({k: v for k, v in spec.config.items() if k not in SHARED_KEYS}, sort_keys=True)
+            together.setdefault(key, []).append(spec)
         else:
-            alone.append([config])
+            alone.append([spec])
     return list(together.values()) + alone
 
 
@@ -103,22 +104,21 @@ def main(argv: list[str]) -> None:
         cells = [(cell, compose(cell)) for cell in expand(preset_sweep(argv))]
     except ConfigError as error:
         fail(error)
-    configs, refused = [], []
+    specs, refused = [], []
     for cell, config in cells:
         try:
-            configs.append(validate(config))
+            specs.append(validate(config))
         except ConfigError as error:
             refused.append(f"refused: {' '.join(cell)}: {error}")
     todo, paths = [], set()
-    for config in configs:
-        path = results.record_path(config["results_dir"], config)
-        if path in paths:  # one record for cells that are one setting (``full`` at any budget, say)
+    for spec in specs:
+        if spec.path in paths:  # one record for cells that are one setting (``full`` at any budget, say)
             continue
-        paths.add(path)
-        if existing(config, path) is not None:
-            print(f"skipped: {path} exists (overwrite=true reruns it)")
+        paths.add(spec.path)
+        if existing(spec.config, spec.path) is not None:
+            print(f"skipped: {results.stored(spec.path)} exists (overwrite=true reruns it)")
         else:
-            todo.append(config)
+            todo.append(spec)
     print("\n".join(refused))
     print(f"{len(paths)} cells, {len(paths) - len(todo)} with records, {len(todo)} to compute, {len(refused)} refused")
     done = []
@@ -126,7 +126,7 @@ def main(argv: list[str]) -> None:
         if len(group) == 1:
             done.append(execute(group[0])[1])
         else:
-            print(f"{len(group)} cells of {group[0]['task']['name']} share their prompts")
+            print(f"{len(group)} cells of {group[0].config['task']['name']} share their prompts")
             done += compute(group)
     if done:
         print("\n".join(["summary:", *(summary_line(record) for record in done)]))

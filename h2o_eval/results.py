@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import data, settings
-from h2o_eval.policies import configured_policy
+from h2o_eval.policies import Policy, configured_policy
 from h2o_eval.runners import runner_of
 
 SCHEMA_VERSION = 1
@@ -58,13 +58,14 @@ class UnreadableRecord(ValueError):
     """A file where a record should be that is not one (truncated, not JSON, or without a record's keys)."""
 
 
-def identity(config: dict[str, Any]) -> dict[str, Any]:
+def identity(config: dict[str, Any], policy: Policy | None = None) -> dict[str, Any]:
     """The part of a resolved config that determines a run's numbers: its settings (those of its runner's family:
     :meth:`~h2o_eval.runners.Runner.identity`), the policy as built (every parameter, a wrapped base's included,
     whatever the config spelled out), and the data it reads: ``hub``, or the hash of the local files' content (see
     :func:`h2o_eval.data.fingerprint`; for ``task=lm_eval`` with ``task.include_path`` also the task's YAMLs, whose
-    folder, like ``data_dir``, is not identity)."""
-    return _identity(config, configured_policy(config).describe(), data_fingerprint(config))
+    folder, like ``data_dir``, is not identity). ``policy``: the config's policy, when it is built already."""
+    built = (policy or configured_policy(config)).describe()
+    return _identity(config, built, data_fingerprint(config))
 
 
 def record_identity(record: dict[str, Any]) -> dict[str, Any]:
@@ -92,13 +93,13 @@ def data_fingerprint(config: dict[str, Any]) -> str:
     return data.fingerprint(runner_of(config["task"]).data_files(config["task"], config.get("data_dir")))
 
 
-def record_path(results_dir: str | Path, config: dict[str, Any]) -> Path:
+def record_path(results_dir: str | Path, config: dict[str, Any], ident: dict[str, Any] | None = None) -> Path:
     """``<results_dir>/<model>__<task>[-<length>]__<policy>[+<parameter>=<value>...]__b<budget>__<protocol>
     [-<decoding>]__[<K>q__]<k>shot__<hash>.json``: the prompt length and questions per context of a long-context
     task, the decoding rule after a compression and every policy parameter that departs from the policy's YAML
     (:func:`h2o_eval.settings.policy_departures`) are in the name; every other setting is in the hash of the
-    identity (:func:`identity`)."""
-    ident = identity(config)
+    identity (:func:`identity`; ``ident``, when it is computed already)."""
+    ident = identity(config) if ident is None else ident
     task, protocol = config["task"], str(config["protocol"])
     params = settings.policy_departures(ident["built_policy"])
     name = "__".join(

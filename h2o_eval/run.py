@@ -13,6 +13,7 @@ import tempfile
 import time
 import traceback
 from contextlib import suppress
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from h2o_eval import results, settings, tracking
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol, configured_policy
-from h2o_eval.runners import Evaluation, check_task_keys, runner_of
+from h2o_eval.runners import Evaluation, Runner, check_task_keys, runner_of
 from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
 
@@ -34,8 +35,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def validate(config: dict[str, Any]) -> dict[str, Any]:
-    """Check every setting and file before a model loads; returns the config with defaults resolved.
+@dataclass(frozen=True)
+class Spec:
+    """A validated run, built once: its config with the defaults resolved, its task's runner, its built policy, its
+    identity (the settings, the policy as built and the data's hash: :func:`h2o_eval.results.identity`) and the
+    path of its record."""
+
+    config: dict[str, Any]
+    runner: Runner
+    policy: Policy
+    identity: dict[str, Any]
+    path: Path
+
+
+def validate(config: dict[str, Any]) -> Spec:
+    """Check every setting and file before a model loads, and build the run's :class:`Spec`.
 
     The protocol and the shots default to the task runner's; the ``full`` policy keeps the whole cache, so its
     budget is 1.0. The runner checks the task's settings and reads its data files row by row, and the model and
@@ -87,7 +101,8 @@ def validate(config: dict[str, Any]) -> dict[str, Any]:
     check_available(config["model"])
     runner.check(resolved)
     _check_writable(Path(config["results_dir"]))
-    return resolved
+    ident = results.identity(resolved, policy)
+    return Spec(resolved, runner, policy, ident, results.record_path(resolved["results_dir"], resolved, ident))
 
 
 def _check_writable(results_dir: Path) -> None:
@@ -108,7 +123,7 @@ def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
     ``work_dir`` receives the files of this run besides its record (lm-eval task YAMLs, W&B's
     offline files); a temporary directory is used when it is None.
     """
-    return execute(config, work_dir)[1]
+    return execute(validate(config), work_dir)[1]
 
 
 def existing(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
@@ -124,41 +139,43 @@ def existing(config: dict[str, Any], path: Path) -> dict[str, Any] | None:
         return None
 
 
-def execute(config: dict[str, Any], work_dir: Path | None = None) -> tuple[str, dict[str, Any]]:
-    """:func:`run`, also saying whether the run was computed (``"ran"``) or its record existed (``"skipped"``).
+def execute(
+    spec: Spec, work_dir: Path | None = None, given: dict[str, Any] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """Run a validated run: its record is computed (``"ran"``) or was there (``"skipped"``); returns which, and
+    the record.
 
     Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip. A computed
-    run removes the failure record an earlier failure of the same settings left (:func:`record_failure`).
+    run removes the failure record an earlier failure of its settings as ``given`` left (:func:`record_failure`).
     """
-    given = config
-    config = validate(config)
-    path = results.record_path(config["results_dir"], config)
+    path = spec.path
     with results.exclusive(path):
-        if (record := existing(config, path)) is not None:
+        if (record := existing(spec.config, path)) is not None:
             print(f"skipped: {results.stored(path)} exists (overwrite=true reruns it)")
             print(summary_line(record))
             return "skipped", record
-        record = compute([config], work_dir)[0]
-    failure_path(given).unlink(missing_ok=True)
+        record = compute([spec], work_dir)[0]
+    if given is not None:
+        failure_path(given).unlink(missing_ok=True)
     return "ran", record
 
 
-def compute(configs: list[dict[str, Any]], work_dir: Path | None = None) -> list[dict[str, Any]]:
+def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, Any]]:
     """Compute validated cells of one model and task that differ only in policy, budget and protocol, and write
     their records: one model load; the runner evaluates them together where it can share their prompt passes
     (:meth:`~h2o_eval.runners.Runner.evaluate_shared`), else one by one. Returns the records, in order."""
     from h2o_eval.models import load_model
 
-    first = configs[0]
+    first = specs[0].config
     git = results.git_commit()  # the code that starts the run, whatever lands while it runs
     applied_threads = apply_threads(first["threads"])
     began = time.perf_counter()
     model, tokenizer = load_model(first["model"], device=first["device"], dtype=first["dtype"])
     loaded = time.perf_counter()
     device = next(model.parameters()).device
-    runner = runner_of(first["task"])
-    cells = [(configured_policy(config), config) for config in configs]
-    if len(cells) > 1 and all(runner.shares_prompts(config) for config in configs):
+    runner = specs[0].runner
+    cells = [(spec.policy, spec.config) for spec in specs]
+    if len(cells) > 1 and all(runner.shares_prompts(config) for _, config in cells):
         peak = PeakMemory(device)  # one peak for the cells evaluated together
         evaluations = runner.evaluate_shared(model, tokenizer, cells)
         peaks = [peak.read()] * len(cells)
@@ -176,24 +193,13 @@ def compute(configs: list[dict[str, Any]], work_dir: Path | None = None) -> list
         evaluation.fields["load_seconds"] = round(loaded - began, 3)
         evaluation.fields["peak_memory"] = peak
     return [
-        finish(
-            config,
-            results.record_path(config["results_dir"], config),
-            policy,
-            evaluation,
-            applied_threads,
-            seconds,
-            git,
-            work_dir,
-        )
-        for (policy, config), evaluation in zip(cells, evaluations, strict=True)
+        finish(spec, evaluation, applied_threads, seconds, git, work_dir)
+        for spec, evaluation in zip(specs, evaluations, strict=True)
     ]
 
 
 def finish(
-    config: dict[str, Any],
-    path: Path,
-    policy: Policy,
+    spec: Spec,
     evaluation: Evaluation,
     threads: dict[str, Any],
     seconds: float,
@@ -203,8 +209,9 @@ def finish(
     """Write a computed run's record (the runner's ``evaluation``, ``seconds`` of wall time of the evaluation
     itself, the model's load apart as ``load_seconds``, ``git`` the
     :func:`~h2o_eval.results.git_commit` read when the computation started) and per-document outputs at
-    ``path``, log it to W&B and print its summary line. Returns the record."""
+    its path, log it to W&B and print its summary line. Returns the record."""
     work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
+    config, policy, path = spec.config, spec.policy, spec.path
     record = {
         "schema_version": results.SCHEMA_VERSION,
         "model": config["model"]["name"],
@@ -217,7 +224,7 @@ def finish(
         "num_fewshot": config["num_fewshot"],
         "limit": config["limit"],
         "seed": config["seed"],
-        "data": results.data_fingerprint(config),
+        "data": spec.identity["data"],
         **evaluation.fields,
         "threads": threads,
         "wall_seconds": round(seconds, 3),

@@ -11,7 +11,7 @@ import torch
 from conftest import make_config, registered
 
 from h2o_eval import EvictionCache, load_model, make_policy
-from h2o_eval.generation import Batch, complete, feed_context, generate, make_batch, settle
+from h2o_eval.generation import Batch, complete, generate, make_batch, settle
 from h2o_eval.policies import POLICIES, Policy, example_policy
 from h2o_eval.run import run
 from h2o_eval.runners.summarisation import build_prompts, rouge, template
@@ -67,8 +67,7 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(tiny, protocol)
     gc.disable()
     try:
         cache = EvictionCache(model, make_policy("h2o", budget=0.5), protocol=protocol)
-        feed_context(model, cache, Batch(batch["input_ids"], batch["attention_mask"], width))
-        model.generate(**batch, cache=cache, max_new_tokens=4, do_sample=False)
+        complete(model, cache, Batch(batch["input_ids"], batch["attention_mask"], width), tokenizer, max_new_tokens=4)
         held = [weakref.ref(cache), *(weakref.ref(layer.keys) for layer in cache.layers)]
         del cache
         assert [ref() for ref in held] == [None] * len(held)

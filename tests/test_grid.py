@@ -136,7 +136,7 @@ def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     passes = [("kvzip", 0.3), ("expected_attention", 0.3), ("oracle", 0.3)]
     cells = [(p, "prefill", b) for p, b in POLICIES[:4]] + [(p, "context", b) for p, b in POLICIES[3:] + passes]
     configs = [
-        validate(make_config(data_dir, tmp_path, **settings, policy=p, protocol=protocol, budget=b))
+        validate(make_config(data_dir, tmp_path, **settings, policy=p, protocol=protocol, budget=b)).config
         for p, protocol, b in cells
     ]
     model, tokenizer = load_model("tiny-llama", device="cpu")
@@ -168,7 +168,8 @@ def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, 
     cells = POLICIES[1:] + [("full", 1.0), ("kvzip", 0.3), ("expected_attention", 0.2), ("oracle", 0.3)]
     cells += [("oracle", 0.6)]
     configs = [
-        validate(make_config(data_dir, tmp_path, **settings, policy=p, budget=b, stack_cells=True)) for p, b in cells
+        validate(make_config(data_dir, tmp_path, **settings, policy=p, budget=b, stack_cells=True)).config
+        for p, b in cells
     ]
     model, tokenizer = load_model(name, device="cpu")
     # An end of sequence these random models generate in some answers only, so rows of one batch stop apart.
@@ -264,7 +265,7 @@ def test_cells_that_differ_in_budget_run_the_extra_passes_once(data_dir, tmp_pat
     settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 4, "batch_size": 2, "protocol": "context"}
     settings |= {"task.length": 700, "task.max_new_tokens": 8, "task.questions": 2, "policy": "kvzip"}
     cells = [{"budget": b} for b in (0.2, 0.4, 0.6)] + [{"budget": 0.4, "policy.layerwise": True}]
-    configs = [validate(make_config(data_dir, tmp_path, **settings, **cell)) for cell in cells]
+    configs = [validate(make_config(data_dir, tmp_path, **settings, **cell)).config for cell in cells]
     model, tokenizer = load_model("tiny-llama", device="cpu")
     separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
     passes, counted = [], KVzip.passes
@@ -288,7 +289,7 @@ def test_the_oracle_at_several_budgets_generates_each_full_answer_once(data_dir,
 
     settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 4, "batch_size": 2, "protocol": protocol}
     settings |= {"task.length": 700, "task.max_new_tokens": 8, "task.questions": 2, "policy": "oracle"}
-    configs = [validate(make_config(data_dir, tmp_path, **settings, budget=b)) for b in (0.2, 0.4, 0.6)]
+    configs = [validate(make_config(data_dir, tmp_path, **settings, budget=b)).config for b in (0.2, 0.4, 0.6)]
     model, tokenizer = load_model("tiny-llama", device="cpu")
     separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
     # The full answers: under context from a copy of the cache's context, under prefill by feeding the prompt.
@@ -381,8 +382,8 @@ def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch
     assert len({json.dumps(r["peak_memory"]) for r in shared}) == 1  # one peak for the cells evaluated together
     cell = {"model": "tiny-llama", "task": "niah_single_1", "task.length": 700, "++task.max_new_tokens": 6}
     cell |= {"limit": 4, "batch_size": 2, "policy": "h2o", "budget": 0.5, "protocol": "context"}
-    assert execute(make_config(data_dir, tmp_path / "grid", **cell))[0] == "skipped"
-    status, alone = execute(make_config(data_dir, tmp_path / "alone", **cell))
+    assert execute(validate(make_config(data_dir, tmp_path / "grid", **cell)))[0] == "skipped"
+    status, alone = execute(validate(make_config(data_dir, tmp_path / "alone", **cell)))
     [together] = [r for r in shared if r["policy"] == "h2o" and r["protocol"] == "context" and r["budget"] == 0.5]
     assert status == "ran" and together["metrics"] == alone["metrics"]
 
@@ -459,6 +460,6 @@ def test_the_leaderboard_presets_name_their_questions_per_context_and_take_16_an
 
     for budget in (0.0625, 0.03125):
         config = validate(compose([f"+experiment={preset}", "model=smollm2-135m", "task=niah_single_2",
-                                   "policy=snapkv", f"budget={budget}", f"data_dir={data_dir}"]))  # fmt: skip
+                                   "policy=snapkv", f"budget={budget}", f"data_dir={data_dir}"])).config  # fmt: skip
         assert (config["task"]["questions"], config["budget"], config["protocol"]) == (questions, budget, "context")
         assert (config["decoding"], config["rounding"]) == ("grow", "down")

@@ -80,7 +80,7 @@ def test_each_question_answers_as_its_own_run_on_the_same_document(tmp_path, dat
     lengths in other groups), so no question sees another's tokens or answer; under ``prefill`` each question is
     compressed with its context."""
     model, tokenizer = tiny
-    config = validate(make_config(data_dir, tmp_path, **SETTINGS, policy=name, budget=0.3, protocol=protocol))
+    config = validate(make_config(data_dir, tmp_path, **SETTINGS, policy=name, budget=0.3, protocol=protocol)).config
     record = run(config, tmp_path / "work")
     rows = outputs(tmp_path, record)
     items = {p.document["index"]: p for p in prompts(tokenizer, config)}
@@ -197,7 +197,7 @@ def test_export_writes_each_question_without_loading_weights(tmp_path, data_dir,
     args += [f"data_dir={data_dir}", f"results_dir={tmp_path}", "wandb.mode=disabled", f"out={tmp_path / 'x.jsonl'}"]
     export.main(args)
     lines = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
-    config = validate(make_config(data_dir, tmp_path, **(SETTINGS | {"task.questions": 2})))
+    config = validate(make_config(data_dir, tmp_path, **(SETTINGS | {"task.questions": 2}))).config
     expected = [(p, k) for p in prompts(tiny[1], config) for k in range(2)]
     assert len(lines) == 6 == len(expected)
     for line, (prompt, k) in zip(lines, expected, strict=True):

@@ -57,8 +57,8 @@ def test_missing_data_file_names_the_path_and_the_setting(tmp_path, no_model_loa
 
 
 def test_full_policy_records_budget_one_whatever_was_asked(tmp_path, data_dir, no_model_loading):
-    ask_02 = results.record_path(tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.2)))
-    ask_05 = results.record_path(tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.5)))
+    ask_02 = results.record_path(tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.2)).config)
+    ask_05 = results.record_path(tmp_path, validate(make_config(data_dir, tmp_path, policy="full", budget=0.5)).config)
     assert ask_02 == ask_05 and "__b1.0__" in ask_02.name
 
 
@@ -106,7 +106,7 @@ def test_wandb_failure_keeps_the_local_record(tmp_path, data_dir, monkeypatch, c
     config["wandb"]["mode"] = "offline"
     record = run(config, tmp_path / "work")
     assert "W&B logging failed (RuntimeError: W&B is down)" in capsys.readouterr().err
-    saved = json.loads(results.record_path(tmp_path / "results", validate(config)).read_text())
+    saved = json.loads(results.record_path(tmp_path / "results", validate(config).config).read_text())
     assert saved["metrics"] == record["metrics"]
 
 
@@ -245,9 +245,9 @@ def test_identity_follows_the_data_content_not_its_folder(tmp_path, data_dir, no
 def test_same_command_on_changed_data_is_recomputed_under_a_new_identity(tmp_path, data_dir, capsys):
     file = copy_task_data(data_dir, tmp_path / "data")
     config = make_config(tmp_path / "data", tmp_path / "results", model="tiny-llama", task="copa", limit=3)
-    status, first = execute(config, tmp_path / "work")
+    status, first = execute(validate(config), tmp_path / "work")
     file.write_text("".join(reversed(file.read_text().splitlines(keepends=True))))  # other documents first
-    again, second = execute(config, tmp_path / "work")
+    again, second = execute(validate(config), tmp_path / "work")
     assert (status, again) == ("ran", "ran") and "skipped" not in capsys.readouterr().out
     assert first["data"] != second["data"]
     assert len(list((tmp_path / "results").glob("*.json"))) == 2
@@ -281,10 +281,10 @@ def test_a_summarisation_row_without_the_templates_field_is_named(tmp_path, data
 @pytest.mark.parametrize("content", ['{"model": "tiny-llama", "metr', '{"foo": 1}'])
 def test_an_unreadable_record_is_set_aside_named_and_rerun(tmp_path, data_dir, capsys, content):
     config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=2)
-    path = results.record_path(tmp_path / "results", validate(config))
+    path = results.record_path(tmp_path / "results", validate(config).config)
     path.parent.mkdir(parents=True)
     path.write_text(content)
-    status, record = execute(config, tmp_path / "work")
+    status, record = execute(validate(config), tmp_path / "work")
     assert status == "ran" and results.read_record(path) == json.loads(json.dumps(record, default=str))
     assert str(path) in capsys.readouterr().err
     assert (tmp_path / "results" / "unreadable" / path.name).read_text() == content
@@ -411,9 +411,11 @@ def test_summarisation_progress_counts_documents(tmp_path, data_dir, capsys):
 
 def test_a_record_names_the_commit_its_run_started_from(tmp_path, data_dir, commit_lands_during_the_run):
     config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", policy="h2o", limit=2)
-    status, record = execute(config, tmp_path / "work")
+    status, record = execute(validate(config), tmp_path / "work")
     assert status == "ran" and record["git"] == {"commit": "started", "dirty": False}
-    assert results.read_record(results.record_path(tmp_path / "results", validate(config)))["git"] == record["git"]
+    assert (
+        results.read_record(results.record_path(tmp_path / "results", validate(config).config))["git"] == record["git"]
+    )
 
 
 def test_record_name_and_summary_line_name_length_questions_decoding_and_policy_parameters(tmp_path, data_dir):
@@ -422,12 +424,12 @@ def test_record_name_and_summary_line_name_length_questions_decoding_and_policy_
             data_dir, tmp_path, model="tiny-llama", task="niah_single_2", policy="snapkv", budget=0.5,
             protocol="context", decoding="grow", **{"policy.window": 8, "task.questions": 2, "task.length": 1024},
         )
-    )  # fmt: skip
+    ).config  # fmt: skip
     name = results.record_path(tmp_path, config).name
     assert name.startswith("tiny-llama__niah_single_2-1024__snapkv+window=8__b0.5__context-grow__2q__0shot__")
     default = validate(
         make_config(data_dir, tmp_path, model="tiny-llama", task="copa", policy="snapkv", protocol="prefill")
-    )
+    ).config
     assert results.record_path(tmp_path, default).name.startswith("tiny-llama__copa__snapkv__b0.2__prefill-evict__0")
     record = {
         "config": config, "policy_params": configured_policy(config).describe(), "model": "tiny-llama",
@@ -440,27 +442,27 @@ def test_record_name_and_summary_line_name_length_questions_decoding_and_policy_
 
 
 def test_a_record_stored_under_an_earlier_name_of_its_setting_is_found(tmp_path, data_dir, capsys):
-    config = validate(make_config(data_dir, tmp_path, model="tiny-llama", task="copa", limit=2, policy="full"))
+    config = validate(make_config(data_dir, tmp_path, model="tiny-llama", task="copa", limit=2, policy="full")).config
     path = results.record_path(tmp_path, config)
     earlier = tmp_path / f"tiny-llama__copa__full__b1.0__simulate__0shot__{path.stem.rsplit('__', 1)[1]}.json"
     record = {**test_plot.fake_record("copa", "full", 1.0, 0.5), "wall_seconds": 1.0}
     results.write_record(earlier, record)
-    assert execute(config) == ("skipped", record)
+    assert execute(validate(config)) == ("skipped", record)
     assert f"skipped: {earlier} exists" in capsys.readouterr().out
 
 
 def test_a_record_carries_its_evaluations_peak_memory_at_least_its_weights_outside_its_identity(tmp_path, data_dir):
     config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=2)
-    status, record = execute(config, tmp_path / "work")
+    status, record = execute(validate(config), tmp_path / "work")
     model, _ = load_model("tiny-llama", device="cpu")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     peak = record["peak_memory"]
     assert status == "ran" and peak["device"] == "cpu"
     assert peak["kind"] in ("resident set", "resident set since the process started")
     assert peak["bytes"] >= weights > 0
-    path = results.record_path(tmp_path / "results", validate(config))
+    path = results.record_path(tmp_path / "results", validate(config).config)
     assert results.read_record(path)["peak_memory"] == peak
-    assert "peak_memory" not in json.dumps(results.identity(validate(config)))
+    assert "peak_memory" not in json.dumps(results.identity(validate(config).config))
 
 
 def test_the_cpu_peak_is_reset_at_an_evaluations_start():

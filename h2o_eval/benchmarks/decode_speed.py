@@ -8,7 +8,7 @@ Each setting generates ``--new-tokens`` tokens greedily (``min_new_tokens`` as w
 ``plain`` is the model's own ``generate`` (its DynamicCache, SDPA attention); ``full`` the same through an
 :class:`~h2o_eval.cache.EvictionCache` of the full cache; the others an EvictionCache of the policy at ``--budget``
 in the prefill protocol, or in the context protocol (``:context``: the last ``--question`` prompt tokens are the
-question, fed after the context is compressed, as ``h2o_eval.generation.generate`` does).
+question, fed after the context is compressed, as ``h2o_eval.generation.complete`` does).
 
 Decode time runs from the first token's logits (the prompt pass done) to the end of ``generate``: new tokens - 1
 forwards of one token per sequence. Times are the process's CPU time (``time.process_time``; run with one thread,
@@ -79,7 +79,7 @@ def run(model, setting: str, ids: torch.Tensor, new_tokens: int, budget: float, 
     """One generation: (prompt-pass CPU seconds, decode CPU seconds, generated ids [B, new_tokens], KV bytes held
     at the end)."""
     from h2o_eval.cache import EvictionCache
-    from h2o_eval.generation import Batch, feed_context
+    from h2o_eval.generation import feed
     from h2o_eval.policies import make_policy
 
     name, _, protocol = setting.partition(":")
@@ -105,7 +105,7 @@ def run(model, setting: str, ids: torch.Tensor, new_tokens: int, budget: float, 
         protocol = protocol or "prefill"
         cache = EvictionCache(model, make_policy(name, budget=budget), protocol=protocol)
         if protocol == "context":
-            feed_context(model, cache, Batch(ids, mask, ids.shape[1] - question))
+            feed(model, cache, ids[:, :-question], mask[:, :-question])
         out = model.generate(input_ids=ids, attention_mask=mask, cache=cache, **kwargs)
     end = time.process_time()
     return clock.first - start, end - clock.first, out.sequences[:, ids.shape[1] :], kv_bytes(cache)

@@ -378,7 +378,8 @@ class _Run:
         began = time.perf_counter()
         stacked = EvictionCache.stack(forks)
         ids, mask = batch.input_ids.repeat(len(forks), 1), batch.attention_mask.repeat(len(forks), 1)
-        sequences = generation.decode(self.model, stacked, ids, mask, tokenizer=self.tokenizer, **self.greedy)
+        together = generation.Batch(ids, mask, batch.context_width)
+        sequences = generation.complete(self.model, stacked, together, self.tokenizer, **self.greedy)
         del stacked
         spent = (time.perf_counter() - began) / len(forks)
         width, question, rows = ids.shape[1], ids.shape[1] - batch.context_width, batch.input_ids.shape[0]
@@ -422,21 +423,16 @@ class _Run:
             del shared
             share = (time.perf_counter() - began) / len(members)
             extended = generation.Batch(
-                first, torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(chunk), 1)], dim=-1)
+                first,
+                torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(chunk), 1)], dim=-1),
+                generated=1,
             )
             for i in members:
                 cache = caches.pop(i)
                 began = time.perf_counter()
-                generation.settle(
-                    self.model, cache, self.tokenizer, batch.input_ids, batch.attention_mask, [[]] * len(chunk),
-                    answered=self.answered, **self.greedy,
-                )  # fmt: skip
-                sequences = first
-                if self.task["max_new_tokens"] > 1:
-                    rest = self.greedy | {"max_new_tokens": self.task["max_new_tokens"] - 1}
-                    sequences = generation.decode(
-                        self.model, cache, extended.input_ids, extended.attention_mask, **rest
-                    )
+                sequences = generation.complete(
+                    self.model, cache, extended, self.tokenizer, self.answered, **self.greedy
+                )
                 self._keep(i, batch, sequences, cache, share + time.perf_counter() - began, chunk)
             self.progress.update(len(chunk))
 
