@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 from conftest import RULES, make_chunk
+from h2o_eval.kernels import decode_attention as decode_module
 from h2o_eval.kernels.column_scores import column_scores
-from h2o_eval.kernels.decode_attention import decode_attention
+from h2o_eval.kernels.decode_attention import decode_attention, split_slots
 from h2o_eval.kernels.eviction_scan import eviction_scan
 from h2o_eval.kernels.reference import column_scores_reference, decode_attention_reference
 
@@ -150,29 +151,92 @@ def test_triton_path_equals_reference_with_prompt_and_compression(rule, batch, h
     assert torch.equal(result.capacity, expected.capacity) and torch.equal(result.kept, expected.kept)
 
 
-@pytest.mark.parametrize(
-    ("batch", "heads", "slots", "dim", "dtype"),
-    list(itertools.product([1, 2], [(4, 4), (6, 2), (8, 2)], [1, 17, 64, 65], [64], [torch.float32]))
-    + [(2, (6, 2), 130, 128, torch.float32), (1, (8, 2), 65, 64, torch.float16), (1, (6, 2), 33, 64, torch.bfloat16)],
-)
-def test_decode_attention_kernel_equals_reference(batch, heads, slots, dim, dtype):
-    """Reference: decode_attention_reference (PyTorch); implementation: the Triton kernel, 64-slot blocks, so
-    1, 17 and 65 slots cross or miss block boundaries."""
-    q_heads, kv_heads = heads
-    gen = torch.Generator().manual_seed(slots * 7 + dim)
+def decode_case(batch, q_heads, kv_heads, slots, dim, dtype, seed=0):
+    """Random query [B, Hq, D], keys, values [B, Hkv, S, D] in ``dtype``, about 70 % of the slots held (slot 0
+    always) and random float32 scores."""
+    gen = torch.Generator().manual_seed(seed * 1000 + slots)
     query = torch.randn(batch, q_heads, dim, generator=gen).to(dtype)
     keys = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype)
     values = torch.randn(batch, kv_heads, slots, dim, generator=gen).to(dtype)
     held = torch.rand(batch, kv_heads, slots, generator=gen) > 0.3
-    held[..., 0] = True  # every KV head holds at least one slot
-    base = torch.rand(batch, kv_heads, slots, generator=gen)
-    scores_ref, scores = base.clone(), base.clone()
-    expected = decode_attention_reference(query, keys, values, held, scores_ref, dim**-0.5)
-    got = decode_attention(query, keys, values, held, scores, dim**-0.5)
-    tol = TOLERANCE[dtype]
+    held[..., 0] = True
+    return query, keys, values, held, torch.rand(batch, kv_heads, slots, generator=gen)
+
+
+def check_decode(query, keys, values, held, base, **kwargs):
+    """decode_attention against decode_attention_reference: output and scores within the dtype's tolerance,
+    the scores of slots not held unchanged."""
+    scale = query.shape[-1] ** -0.5
+    expected_scores, scores = base.clone(), base.clone()
+    expected = decode_attention_reference(query, keys, values, held, expected_scores, scale)
+    got = decode_attention(query, keys, values, held, scores, scale, **kwargs)
+    tol = TOLERANCE[query.dtype]
+    assert got.dtype == query.dtype
     torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(scores, scores_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(scores, expected_scores, rtol=tol, atol=tol)
     assert torch.equal(scores[~held], base[~held])
+    assert not torch.equal(scores[held], base[held])
+
+
+@pytest.mark.parametrize(
+    ("batch", "heads", "slots", "dim", "dtype"),
+    list(itertools.product([1, 2], [(2, 2), (4, 2), (8, 2), (8, 1)], [1, 15, 16, 17, 40], [16], [torch.float32]))
+    + [(2, (8, 2), 40, 32, torch.float16), (1, (8, 1), 17, 32, torch.bfloat16), (2, (4, 2), 33, 16, torch.bfloat16)],
+)
+def test_decode_attention_kernel_equals_reference(batch, heads, slots, dim, dtype):
+    """Reference: decode_attention_reference (PyTorch); implementation: the flash-decoding kernels with 16-slot
+    tiles and the split count they pick themselves (a few splits here), over GQA ratios 1, 2, 4 and 8 (MHA, GQA,
+    MQA): 1, 15, 16 and 17 slots sit at and around one tile, 40 make three splits, the last partial."""
+    check_decode(*decode_case(batch, *heads, slots, dim, dtype), block_slots=16)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_decode_attention_combines_splits_with_partial_and_empty_ones(dtype):
+    """Reference: decode_attention_reference; implementation: the kernels forced to 6 splits of one 16-slot tile
+    over 83 slots (the last split 3 slots), GQA 4, two sequences: random holes; a head whose held slots all sit
+    in one split (the others hold none); a split with no held slot; a head holding only the last, partial split
+    and slot 0."""
+    query, keys, values, held, base = decode_case(2, 8, 2, 83, 16, dtype)
+    held[0, 1] = False
+    held[0, 1, 32:48] = True
+    held[1, 0, 16:32] = False
+    held[1, 1] = False
+    held[1, 1, 0] = held[1, 1, 80:] = True
+    check_decode(query, keys, values, held, base, block_slots=16, splits=6)
+
+
+def test_decode_attention_host_code_reads_no_tensor_values(monkeypatch):
+    """The decode step must not synchronise with the device: decode_attention's host code runs on meta tensors
+    (which have no values: reading one, as item, bool, nonzero or boolean-mask indexing do, raises), with the
+    kernel launches recorded instead of run. It launches both passes on the same grid, (B * Hkv, splits)."""
+    launches = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+
+    monkeypatch.setattr(decode_module, "_partials_kernel", Launcher())
+    monkeypatch.setattr(decode_module, "_combine_kernel", Launcher())
+    meta = torch.device("meta")
+    query = torch.empty(8, 32, 128, dtype=torch.bfloat16, device=meta)
+    keys, values = (torch.empty(8, 8, 6554, 128, dtype=torch.bfloat16, device=meta) for _ in range(2))
+    held = torch.empty(8, 8, 6554, dtype=torch.bool, device=meta)
+    scores = torch.empty(8, 8, 6554, dtype=torch.float32, device=meta)
+    output = decode_attention(query, keys, values, held, scores, 128**-0.5)
+    assert output.shape == query.shape and output.dtype == query.dtype
+    splits, _ = split_slots(64, 6554, 64, meta)
+    assert launches == [(64, splits)] * 2
+
+
+def test_split_slots_aims_at_programs_per_sm_in_whole_tiles():
+    """Reference: the rule stated by split_slots (4 programs per SM, 16 SMs off CUDA, whole 64-slot tiles, at
+    most one split per tile); implementation: its choice for a batch-1 GQA head count, a batch large enough alone,
+    and a cache smaller than a tile."""
+    cpu = torch.device("cpu")
+    assert split_slots(8, 6554, 64, cpu) == (8, 832)  # 103 tiles in 8 splits of 13
+    assert split_slots(64, 6554, 64, cpu) == (1, 6592)
+    assert split_slots(1, 40, 64, cpu) == (1, 64)
+    assert split_slots(2, 130, 16, cpu) == (9, 16)  # 9 tiles, one split each
 
 
 @pytest.mark.parametrize("name", ["h2o", "tova"])
