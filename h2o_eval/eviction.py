@@ -19,7 +19,7 @@ cache): they attend in full, causally; their votes (the policy :class:`~h2o_eval
 Padding tokens (``arriving`` False) never enter. Scores start as the policy's ``key_scores`` (or 0).
 simulate = empty state, no prompt rows; prefill/context = the context's rows are prompt rows; decode = chunks
 of one token. :func:`attend_chunk_reference` states all of this as a plain loop over rows; :func:`attend_chunk`
-is the fast path: the prompt phase as blocked causal attention with column sums (``column_scores``, Triton on
+is the fast path: the prompt phase as fused attention plus one pass of column sums (``prompt_votes``, Triton on
 CUDA), :func:`compress` vectorised, and the decode phase as the numba-compiled row scan over blocks of rows
 (the Triton ``eviction_scan`` on CUDA), or plain masked attention when no row can evict and none votes.
 """
@@ -33,8 +33,8 @@ import numpy as np
 import torch
 
 from h2o_eval.kernels.numba_scan import scan_rows
+from h2o_eval.kernels.prompt import prompt_votes
 from h2o_eval.kernels.reference import (
-    column_scores_reference,
     decode_attention_reference,
     grouped_logits,
     grouped_values,
@@ -309,8 +309,8 @@ def _reference_compress(held, scores, position, capacity, chunk, now, compressin
 def attend_chunk(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, triton: bool = False
 ) -> Result:
-    """Same contract as :func:`attend_chunk_reference`, fast: the prompt phase from ``column_scores`` (its
-    Triton kernel with ``triton``, else its blocked PyTorch reference), :func:`compress`, then the decode phase
+    """Same contract as :func:`attend_chunk_reference`, fast: the prompt phase from ``prompt_votes`` (its
+    Triton kernels with ``triton``, else their PyTorch references), :func:`compress`, then the decode phase
     through the row scan (``eviction_scan`` with ``triton``, else the numba scan over blocks of rows), or as plain
     masked attention when no decode row can evict and none votes."""
     n, slots = query.shape[2], key.shape[2]
@@ -365,12 +365,8 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
         known = [a for w, r, a in shared or () if torch.equal(w, weights) and torch.equal(r, rows)]
         if known:
             output, attention = None, known[0]
-        elif triton:
-            from h2o_eval.kernels.column_scores import column_scores
-
-            output, attention = column_scores(q, k, v, rows, weights, chunk.scaling)
         else:
-            output, attention = column_scores_reference(q, k, v, rows, weights, chunk.scaling, output=chunk.output)
+            output, attention = prompt_votes(q, k, v, rows, weights, chunk.scaling, chunk.output, triton)
         if shared is not None and not known:
             shared.append((weights, rows, attention))
         attention = share_votes(attention, rule)

@@ -6,7 +6,9 @@ token, attend the group's G queries over the held slots (online softmax), and ad
 scores, replace them, or leave them (the rule's ``decode_votes``). Held flags and scores stay
 with the program across rows (a per-program slice of global memory that lives in L1/L2), with a compact list of
 the held slots, so a row costs O(capacity), not O(slots); nothing of size rows x slots is ever materialised,
-where the PyTorch paths build the full logits first.
+where the PyTorch paths build the full logits first. A row's attention and score update
+(:func:`attend_group`, :func:`update_scores`) multiply float32 tiles in IEEE precision, the slot blocks come
+from the decode kernel's :func:`~h2o_eval.kernels.decode_attention.slot_block`.
 
 The reference is the mechanism's own definition, :func:`h2o_eval.eviction.attend_chunk_reference`; the
 arguments are the fields of its :class:`~h2o_eval.eviction.Chunk`. Shapes: query [B, Hq, n, D]; key, value
@@ -19,10 +21,64 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from h2o_eval.kernels.decode_attention import attend_group, group_block, update_scores
+from h2o_eval.kernels.decode_attention import group_block, slot_block
 
 REPLACE = tl.constexpr(1)  # decode votes: 0 adds the attention into the scores, 1 replaces them, 2 leaves them
 _NONE = tl.constexpr(2**62)
+
+
+@triton.jit
+def _block_logits(q, k_base, s, ok, stride_ks, scaling, dim: tl.constexpr):
+    """Logits [BLOCK_G, BLOCK_S] of the group's queries against the slots ``s`` (-inf where not ``ok``)."""
+    k = tl.load(k_base + s[:, None] * stride_ks + tl.arange(0, dim)[None, :], mask=ok[:, None], other=0.0)
+    logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scaling
+    return tl.where(ok[None, :], logits, float("-inf"))
+
+
+@triton.jit
+def attend_group(
+    q, k_base, v_base, held_base, list_base, out_base, stride_ks, stride_vs, stride_oh, count, scaling, g_ok,
+    dim: tl.constexpr, BLOCK_S: tl.constexpr, LISTED: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of the group's queries q [BLOCK_G, dim] over the held slots (see :func:`slot_block`);
+    stores the output rows (stride ``stride_oh`` between query heads), returns the row max and normaliser."""
+    d = tl.arange(0, dim)
+    top = tl.full((q.shape[0],), float("-inf"), tl.float32)
+    total = tl.zeros((q.shape[0],), tl.float32)
+    acc = tl.zeros((q.shape[0], dim), tl.float32)
+    for start in range(0, count, BLOCK_S):
+        s, ok = slot_block(start, count, list_base, held_base, BLOCK_S, LISTED)
+        logits = _block_logits(q, k_base, s, ok, stride_ks, scaling, dim)
+        v = tl.load(v_base + s[:, None] * stride_vs + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        new_top = tl.maximum(top, tl.max(logits, axis=1))
+        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
+        p = tl.exp(logits - safe_top[:, None])
+        rescale = tl.exp(top - safe_top)
+        total = total * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
+        top = new_top
+    total = tl.where(g_ok, total, 1.0)
+    g = tl.arange(0, q.shape[0])
+    tl.store(out_base + g[:, None] * stride_oh + d[None, :], acc / total[:, None], mask=g_ok[:, None])
+    return top, total
+
+
+@triton.jit
+def update_scores(
+    q, k_base, held_base, list_base, scores_base, stride_ks, count, scaling, top, total, g_ok,
+    REPLACE: tl.constexpr, dim: tl.constexpr, BLOCK_S: tl.constexpr, LISTED: tl.constexpr,
+):  # fmt: skip
+    """Each held slot's probability, summed over the group: added to its score, or (``REPLACE``) its new
+    score. Slots not held keep theirs."""
+    for start in range(0, count, BLOCK_S):
+        s, ok = slot_block(start, count, list_base, held_base, BLOCK_S, LISTED)
+        logits = _block_logits(q, k_base, s, ok, stride_ks, scaling, dim)
+        p = tl.where(g_ok[:, None], tl.exp(logits - top[:, None]) / total[:, None], 0.0)
+        column = tl.sum(p, axis=0)
+        if REPLACE:
+            tl.store(scores_base + s, column, mask=ok)
+        else:
+            tl.store(scores_base + s, tl.load(scores_base + s, mask=ok, other=0.0) + column, mask=ok)
 
 
 @triton.jit

@@ -18,6 +18,23 @@ for _key, _value in {
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+
+def _interpreted_dot_of_bfloat16(create_dot):
+    """Triton's interpreter stores bfloat16 as its uint16 bits and ``tl.dot`` multiplies those bits (only 8-bit
+    floats are converted first; triton-lang/triton#11584, unsupported upstream). Widen bfloat16 operands to float32
+    first, as a tensor core multiplies them: exact products, float32 sums."""
+
+    def widened(builder, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = (builder.cast_impl(x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x for x in (a, b))
+        return create_dot(builder, a, b, d, input_precision, max_num_imprecise_acc)
+
+    return widened
+
+
+interpreter.InterpreterBuilder.create_dot = _interpreted_dot_of_bfloat16(interpreter.InterpreterBuilder.create_dot)
 
 from h2o_eval.eviction import Chunk  # noqa: E402
 from h2o_eval.policies import POLICIES, Rule, configured_policy, example_policy  # noqa: E402

@@ -88,8 +88,8 @@ def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkey
     policies = [make_policy("h2o", b) for b in (0.2, 0.4, 0.6)] + [make_policy("tova", 0.3)]
 
     alone = [fed(model, ids, mask, [p])[0] for p in policies]
-    calls, computed = [], eviction.column_scores_reference
-    monkeypatch.setattr(eviction, "column_scores_reference", lambda *a, **k: calls.append(1) or computed(*a, **k))
+    calls, computed = [], eviction.prompt_votes
+    monkeypatch.setattr(eviction, "prompt_votes", lambda *a, **k: calls.append(1) or computed(*a, **k))
     together = fed(model, ids, mask, policies)
     assert len(calls) == 2 * model.config.num_hidden_layers
     for one, other in zip(alone, together, strict=True):
