@@ -39,7 +39,7 @@ from typing import Any
 
 from h2o_eval import figures, plot_needle, results, stats
 from h2o_eval.results import read_records
-from h2o_eval.settings import flatten, report_labels
+from h2o_eval.settings import flatten, questions, questions_label, report_labels
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
 PRIMARY_METRIC = {"xsum": "rouge2", "cnn_dailymail": "rouge2"}
@@ -66,9 +66,12 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
 
     A row's ``policy`` is its label: the policy's name (``method``) and each departure from the defaults that not
     every row shares (``snapkv (window=8)``, ``h2o (decoding=grow)``, ``full (4 questions per context)``:
-    :func:`h2o_eval.settings.report_labels`); ``shared`` names those every row shares. Of records that are one
-    setting (one identity), the newest is kept; two records that would share a row with different identities
-    (data files that changed, say) raise ValueError naming what differs."""
+    :func:`h2o_eval.settings.report_labels`); ``shared`` names those every row shares. A row also has
+    ``questions`` (per context, None outside long context) and ``policy_without_questions``, its label without
+    them, for reports that name each task's questions per context once (the shared-context leaderboard asks cwe,
+    fwe and qa_2 one question, the other tasks four). Of records that are one setting (one identity), the newest
+    is kept; two records that would share a row with different identities (data files that changed, say) raise
+    ValueError naming what differs."""
     kept = []
     for record in records:
         name = metric or stats.primary_metric(record, PRIMARY_METRIC.get(record["task"], "acc"))
@@ -82,7 +85,10 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "length": record.get("length"),
             "model": record["model"],
             "protocol": record["protocol"],
-            "policy": record["policy"] + (f" ({', '.join(departures.values())})" if departures else ""),
+            "policy": record["policy"] + _departures_label(departures.values()),
+            "policy_without_questions": record["policy"]
+            + _departures_label(text for key, text in departures.items() if key != "task.questions"),
+            "questions": questions(record["config"]),
             "method": record["policy"],
             "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
             "shared": tuple(shared),
@@ -103,6 +109,11 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             _check_one_setting(newest[key], row)
         newest[key] = row
     return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
+
+
+def _departures_label(texts: Collection[str]) -> str:
+    texts = list(texts)
+    return f" ({', '.join(texts)})" if texts else ""
 
 
 def _check_one_setting(older: dict[str, Any], newer: dict[str, Any]) -> None:
@@ -223,7 +234,7 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
     without a baseline or scored on other questions than it are left out. A setting run on several tasks also
     gets a row whose task is ``mean of N tasks``: the mean of the per-task differences, resampled within each
     task (none when a task was scored on several ``limit`` values: which documents stand for it is not the
-    table's to choose)."""
+    table's to choose); its tasks may differ in their questions per context (:func:`policies_per_task`)."""
     documents: dict[str | None, dict] = {}
 
     def scores(row: dict[str, Any]) -> dict:
@@ -242,10 +253,8 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
                 {**row, "against": against, "baseline": base["value"], "paired": stats.paired(*pairs), "pairs": pairs}
             )
     settings: dict[tuple, list[dict[str, Any]]] = {}
-    for row in compared:
-        settings.setdefault((row["model"], row["protocol"], row["policy"], row["budget"], row["metric"]), []).append(
-            row
-        )
+    for row, policy in zip(compared, policies_per_task(compared), strict=True):
+        settings.setdefault((row["model"], row["protocol"], policy, row["budget"], row["metric"]), []).append(row)
     for (model, protocol, policy, budget, metric), group in settings.items():
         repeated = mixed_limits(group)
         if repeated:
@@ -344,6 +353,9 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     import matplotlib.pyplot as plt
 
     rows = [{**r, "ringed": _setting(r) in significant} for r in rows if r["task"] == task]
+    asked = _questions_of_task(rows)
+    if asked:  # the task's one count of questions per context goes in the title, not in every line's label
+        rows = [{**r, "policy": r["policy_without_questions"]} for r in rows]
     if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
         rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
@@ -402,7 +414,8 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
         ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label=f"differs from full (p < {stats.ALPHA})")
     metric = rows[0]["metric"] if rows else ""
     ax.autoscale_view()
-    title = f"{task} ({shared_note(rows)})" if shared_note(rows) else task
+    note = ", ".join([*(rows[0]["shared"] if rows else ()), *([asked] if asked else [])])
+    title = f"{task} ({note})" if note else task
     ax.set(xlabel=budget_label(protocols), ylabel=metric, title=title, xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -442,6 +455,22 @@ def _task_order(task: str) -> tuple[int, str]:
     return (RULER_TASKS.index(task) if task in RULER_TASKS else len(RULER_TASKS)), task
 
 
+def policies_per_task(rows: list[dict[str, Any]]) -> list[str]:
+    """Each row's policy label in a report over several tasks (a headline, a mean over tasks): without its
+    questions per context where every row of its task (model and length) was asked one count, which the report
+    then names per task (see :func:`questions_note`), so that a policy's tasks asked 4 and 1 questions stay one
+    setting; with them where the task was asked several counts, which only the label tells apart."""
+    asked: dict[tuple, set] = {}
+    for row in rows:
+        asked.setdefault((row["model"], row["length"], row["task"]), set()).add(row["questions"])
+    return [
+        row["policy_without_questions"]
+        if len(asked[(row["model"], row["length"], row["task"])]) == 1
+        else row["policy"]
+        for row in rows
+    ]
+
+
 def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
     """The headline of each long-context setting (model, protocol, length, policy, budget): ``tasks``, each
     task's score x100 (its own metric) as a :class:`~h2o_eval.stats.Estimate` with its document-bootstrap
@@ -453,14 +482,14 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
     headline's to choose."""
     settings: dict[tuple, dict[str, Any]] = {}
     limits: dict[tuple, set] = {}
-    for row in rows:
+    for row, policy in zip(rows, policies_per_task(rows), strict=True):
         if row["length"] is None:
             continue
         scores = stats.question_scores(row, results_dir, row["metric"])
         if not scores:
             print(f"note: {row['task']} {row['policy']} has no per-question outputs: left out", file=sys.stderr)
             continue
-        key = (row["model"], row["protocol"], row["length"], row["policy"], row["budget"])
+        key = (row["model"], row["protocol"], row["length"], policy, row["budget"])
         setting = settings.setdefault(
             key,
             {
@@ -470,11 +499,14 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
                 "tasks": {},
                 "scores": {},
                 "limits": {},
+                "questions": {},
             },
         )
         task = row["task"].rsplit("@", 1)[0]
         limits.setdefault((row["model"], row["length"], task), set()).add(row["limit"])
         setting["limits"][task] = row["limit"]
+        if policy == row["policy_without_questions"]:
+            setting["questions"][task] = row["questions"]
         documents, values = zip(*scores.values(), strict=True)
         setting["scores"][task] = ([100 * value for value in values], list(documents))
         setting["tasks"][task] = stats.estimate(*setting["scores"][task])
@@ -509,6 +541,36 @@ def limits_label(limits: dict[str, int | float | None]) -> str:
     return "; ".join([_limit_label(common), *others])
 
 
+def questions_note(asked: dict[str, int | None]) -> str:
+    """The questions per context each task was asked: "4 questions per context" when the tasks share it, else the
+    most common count and the tasks of each other one ("4 questions per context (cwe, fwe, qa_2: 1)"); "" when
+    none is known."""
+    tasks: dict[int, list[str]] = {}
+    for task in sorted(asked, key=_task_order):
+        if asked[task] is not None:
+            tasks.setdefault(asked[task], []).append(task)
+    if not tasks:
+        return ""
+    common = max(tasks, key=lambda count: len(tasks[count]))
+    others = [f"{', '.join(named)}: {count}" for count, named in tasks.items() if count != common]
+    return questions_label(common) + (f" ({'; '.join(others)})" if others else "")
+
+
+def _questions_named(asked: dict[str, int | None], shared: Collection[str]) -> str:
+    """:func:`questions_note` of ``asked``, or "" when the settings every row shares already name it."""
+    note = questions_note(asked)
+    return "" if note in shared else note
+
+
+def _questions_of_task(rows: list[dict[str, Any]]) -> str:
+    """The one count of questions per context that every row of one task was asked, for its figure's title ("" when
+    the rows differ in it, so that their labels tell them apart, or when every report row shares it)."""
+    counts = {r["questions"] for r in rows}
+    if len(counts) != 1 or None in counts or not rows:
+        return ""
+    return _questions_named({rows[0]["task"]: rows[0]["questions"]}, rows[0]["shared"])
+
+
 def _estimate(estimate: stats.Estimate) -> str:
     return f"{estimate.value:.1f} [{estimate.low:.1f}, {estimate.high:.1f}]"
 
@@ -517,17 +579,23 @@ def headline_markdown(settings: list[dict[str, Any]]) -> str:
     """The long-context headline as a Markdown table: per setting the mean over tasks and each task's score."""
     tasks = sorted({task for s in settings for task in s["tasks"]}, key=_task_order)
     limits = len({limits_label(s["limits"]) for s in settings}) > 1
+    asked = {_questions_named(s["questions"], s["shared"]) for s in settings}
+    every = [*(settings[0]["shared"] if settings else ()), *(asked if len(asked) == 1 else ())]
     lines = [
         "Long context: each task's score x100 (RULER's metric: string_match_all, string_match_part for qa) with "
         f"its 95 % interval resampling documents ({stats.RESAMPLES:,} resamples, seed {stats.SEED}); mean: the "
         "unweighted mean of the task scores (RULER's and kvpress's headline), its interval resampling documents "
-        "within each task." + (f" Every row: {shared_note(settings)}." if shared_note(settings) else ""),
+        "within each task." + (f" Every row: {', '.join(filter(None, every))}." if any(every) else ""),
         "",
         "| model | protocol | length | policy | budget | mean [95 % CI] | tasks | " + " | ".join(tasks) + " |",
         "|---|---|---:|---|---:|---|---|" + "---|" * len(tasks),
     ]
     for s in settings:
-        model = f"{s['model']} ({limits_label(s['limits'])})" if limits else s["model"]
+        named = [
+            *([limits_label(s["limits"])] if limits else []),
+            *([_questions_named(s["questions"], s["shared"])] if len(asked) > 1 else []),
+        ]
+        model = f"{s['model']} ({'; '.join(filter(None, named))})" if any(named) else s["model"]
         cells = [_estimate(s["tasks"][task]) if task in s["tasks"] else "" for task in tasks]
         lines.append(
             f"| {model} | {s['protocol']} | {s['length']} | {s['policy']} | {_percent(s['budget'])} "
@@ -572,6 +640,7 @@ def _narrowed(setting: dict[str, Any], tasks: set[str]) -> dict[str, Any]:
         **setting,
         "tasks": {task: setting["tasks"][task] for task in kept},
         "limits": {task: setting["limits"][task] for task in kept},
+        "questions": {task: count for task, count in setting["questions"].items() if task in kept},
         "scores": {task: setting["scores"][task] for task in kept},
         "mean": stats.mean_over_tasks([setting["scores"][task] for task in kept]),
         "left_out": left_out,
@@ -594,7 +663,9 @@ def _leaderboard_title(key: tuple, group: list[dict[str, Any]]) -> str:
     model, protocol, length = key
     limits = {task: limit for s in group for task, limit in s["limits"].items()}
     named = any(limit is not None for limit in limits.values())
-    title = f"{model}, protocol {protocol}, {length} tokens" + (f", {shared_note(group)}" if shared_note(group) else "")
+    asked = _questions_named({task: count for s in group for task, count in s["questions"].items()}, group[0]["shared"])
+    note = ", ".join(filter(None, [shared_note(group), asked]))
+    title = f"{model}, protocol {protocol}, {length} tokens" + (f", {note}" if note else "")
     return title + (f", {limits_label(limits)}" if named else "")
 
 
@@ -647,6 +718,7 @@ LEADERBOARD_COLUMNS = (
     "protocol",
     "length",
     "limits",
+    "per_context",
     "policy",
     "budget",
     "ratio",
@@ -665,6 +737,7 @@ def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {
             **{key: s[key] for key in HEADLINE_KEYS},
             "limits": limits_label(s["limits"]),
+            "per_context": questions_note(s["questions"]),
             "ratio": _ratio(s["budget"]),
             "tasks": len(s["tasks"]),
             "score": round(s["mean"].value, 4),

@@ -691,3 +691,37 @@ def test_provenance_of_a_folder_without_records_is_refused_in_one_line(tmp_path,
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "no records in" in err
     assert not (tmp_path / "tables" / "PROVENANCE.md").exists()
+
+
+def test_a_leaderboard_whose_tasks_ask_different_questions_per_context_names_each_tasks_count_once(tmp_path, capsys):
+    """As the shared-context preset asks four questions of each haystack but one of fwe's documents: one row per
+    policy over both tasks, the counts named once in the title, the headline, the CSV and each task's figure."""
+    for policy, budget, niah, fwe in (("full", 1.0, 5, 20), ("h2o", 0.5, 3, 10)):
+        per_document = [[1] * 4] * niah + [[0] * 4] * (5 - niah)
+        long_record(tmp_path, "niah_single_1", policy, budget, per_document, limit=5, settings={"task.questions": 4})
+        per_document = [[1]] * fwe + [[0]] * (20 - fwe)
+        long_record(tmp_path, "fwe", policy, budget, per_document, limit=20, settings={"task.questions": 1})
+    board = tmp_path / "board"
+    plot.main([str(tmp_path), "--leaderboard", "--out", str(board)])
+    lines = (board / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
+    assert lines[0].startswith(
+        "Leaderboard: tiny-llama, protocol context, 4096 tokens, 4 questions per context (fwe: 1), limit=5; fwe: 20. "
+    )
+    assert [line.split(" [")[0] for line in lines[4:]] == ["| full (ceiling) | 100.0", "| h2o | 55.0"]  # (3/5+10/20)/2
+    with (board / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
+        assert {row["per_context"] for row in csv.DictReader(handle)} == {"4 questions per context (fwe: 1)"}
+    out = tmp_path / "plots"
+    plot.main([str(tmp_path), "--out", str(out)])
+    capsys.readouterr()
+    headline = (out / "headline.md").read_text()
+    assert "Every row: 4 questions per context (fwe: 1)." in headline
+    assert "| tiny-llama | context | 4096 | h2o | 50% | 55.0 [" in headline  # one row over both tasks
+    assert "| mean of 2 tasks | tiny-llama | context | h2o | 50% |" in (out / "paired_full.md").read_text()
+    from matplotlib.image import imread
+
+    assert imread(out / "fwe@4096.png").size  # drawn; its title and labels are checked below
+    rows = plot.table(results.load_records(tmp_path))
+    fig = plot.figure(rows, "fwe@4096")
+    ax = fig.axes[0]
+    assert ax.get_title() == "fwe@4096 (1 question per context)"
+    assert {text.get_text() for text in ax.get_legend().get_texts()} == {"full cache", "h2o"}
