@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import textwrap
 from collections import Counter
 from collections.abc import Collection
 from datetime import datetime, timedelta, timezone
@@ -416,7 +417,7 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     ax.autoscale_view()
     note = ", ".join([*(rows[0]["shared"] if rows else ()), *([asked] if asked else [])])
     title = f"{task} ({note})" if note else task
-    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=title, xlim=(0, 100))
+    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=textwrap.fill(title, 60), xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -788,7 +789,7 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
     ax.set(
         xlabel=f"compression ratio (share of {BUDGET_SHARE[key[1]]} removed, 1 − budget)",
         ylabel=f"score (mean of {tasks_label(tasks)}, x100)",
-        title=_leaderboard_title(key, group),
+        title=textwrap.fill(_leaderboard_title(key, group), 80),
         ylim=(-2, 102),
     )
     ax.grid(alpha=0.3)
