@@ -20,6 +20,10 @@ RULER's thirteen ran), whose interval resamples documents within each task. ``--
 protocol and length, that mean as a table policy x compression ratio (1 − budget, kvpress's convention; the full
 cache's ceiling row first, then the oracle's) in Markdown and CSV, and the figure score against compression
 ratio. ``--needle`` draws the long-context tasks' depth x length heatmaps instead (:mod:`h2o_eval.plot_needle`).
+
+``--provenance`` writes ``PROVENANCE.md`` instead: where the records came from, read from the records themselves
+(per commit: how many, whether its tree was dirty, when, the machine time, threads and library versions, what
+ran) and the settings they share or vary in, so that no README has to carry that by hand.
 """
 
 from __future__ import annotations
@@ -27,14 +31,16 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import textwrap
+from collections import Counter
 from collections.abc import Collection
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 from h2o_eval import figures, plot_needle, results, stats
 from h2o_eval.results import read_records
-from h2o_eval.settings import flatten, report_labels
+from h2o_eval.settings import flatten, questions, questions_label, report_labels
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
 PRIMARY_METRIC = {"xsum": "rouge2", "cnn_dailymail": "rouge2"}
@@ -61,9 +67,12 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
 
     A row's ``policy`` is its label: the policy's name (``method``) and each departure from the defaults that not
     every row shares (``snapkv (window=8)``, ``h2o (decoding=grow)``, ``full (4 questions per context)``:
-    :func:`h2o_eval.settings.report_labels`); ``shared`` names those every row shares. Of records that are one
-    setting (one identity), the newest is kept; two records that would share a row with different identities
-    (data files that changed, say) raise ValueError naming what differs."""
+    :func:`h2o_eval.settings.report_labels`); ``shared`` names those every row shares. A row also has
+    ``questions`` (per context, None outside long context) and ``policy_without_questions``, its label without
+    them, for reports that name each task's questions per context once (the shared-context leaderboard asks cwe,
+    fwe and qa_2 one question, the other tasks four). Of records that are one setting (one identity), the newest
+    is kept; two records that would share a row with different identities (data files that changed, say) raise
+    ValueError naming what differs."""
     kept = []
     for record in records:
         name = metric or stats.primary_metric(record, PRIMARY_METRIC.get(record["task"], "acc"))
@@ -77,7 +86,10 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "length": record.get("length"),
             "model": record["model"],
             "protocol": record["protocol"],
-            "policy": record["policy"] + (f" ({', '.join(departures.values())})" if departures else ""),
+            "policy": record["policy"] + _departures_label(departures.values()),
+            "policy_without_questions": record["policy"]
+            + _departures_label(text for key, text in departures.items() if key != "task.questions"),
+            "questions": questions(record["config"]),
             "method": record["policy"],
             "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
             "shared": tuple(shared),
@@ -98,6 +110,11 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             _check_one_setting(newest[key], row)
         newest[key] = row
     return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
+
+
+def _departures_label(texts: Collection[str]) -> str:
+    texts = list(texts)
+    return f" ({', '.join(texts)})" if texts else ""
 
 
 def _check_one_setting(older: dict[str, Any], newer: dict[str, Any]) -> None:
@@ -218,7 +235,7 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
     without a baseline or scored on other questions than it are left out. A setting run on several tasks also
     gets a row whose task is ``mean of N tasks``: the mean of the per-task differences, resampled within each
     task (none when a task was scored on several ``limit`` values: which documents stand for it is not the
-    table's to choose)."""
+    table's to choose); its tasks may differ in their questions per context (:func:`policies_per_task`)."""
     documents: dict[str | None, dict] = {}
 
     def scores(row: dict[str, Any]) -> dict:
@@ -237,10 +254,8 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
                 {**row, "against": against, "baseline": base["value"], "paired": stats.paired(*pairs), "pairs": pairs}
             )
     settings: dict[tuple, list[dict[str, Any]]] = {}
-    for row in compared:
-        settings.setdefault((row["model"], row["protocol"], row["policy"], row["budget"], row["metric"]), []).append(
-            row
-        )
+    for row, policy in zip(compared, policies_per_task(compared), strict=True):
+        settings.setdefault((row["model"], row["protocol"], policy, row["budget"], row["metric"]), []).append(row)
     for (model, protocol, policy, budget, metric), group in settings.items():
         repeated = mixed_limits(group)
         if repeated:
@@ -339,6 +354,9 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     import matplotlib.pyplot as plt
 
     rows = [{**r, "ringed": _setting(r) in significant} for r in rows if r["task"] == task]
+    asked = _questions_of_task(rows)
+    if asked:  # the task's one count of questions per context goes in the title, not in every line's label
+        rows = [{**r, "policy": r["policy_without_questions"]} for r in rows]
     if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
         rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
@@ -397,8 +415,9 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
         ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label=f"differs from full (p < {stats.ALPHA})")
     metric = rows[0]["metric"] if rows else ""
     ax.autoscale_view()
-    title = f"{task} ({shared_note(rows)})" if shared_note(rows) else task
-    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=title, xlim=(0, 100))
+    note = ", ".join([*(rows[0]["shared"] if rows else ()), *([asked] if asked else [])])
+    title = f"{task} ({note})" if note else task
+    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=textwrap.fill(title, 60), xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -437,6 +456,22 @@ def _task_order(task: str) -> tuple[int, str]:
     return (RULER_TASKS.index(task) if task in RULER_TASKS else len(RULER_TASKS)), task
 
 
+def policies_per_task(rows: list[dict[str, Any]]) -> list[str]:
+    """Each row's policy label in a report over several tasks (a headline, a mean over tasks): without its
+    questions per context where every row of its task (model and length) was asked one count, which the report
+    then names per task (see :func:`questions_note`), so that a policy's tasks asked 4 and 1 questions stay one
+    setting; with them where the task was asked several counts, which only the label tells apart."""
+    asked: dict[tuple, set] = {}
+    for row in rows:
+        asked.setdefault((row["model"], row["length"], row["task"]), set()).add(row["questions"])
+    return [
+        row["policy_without_questions"]
+        if len(asked[(row["model"], row["length"], row["task"])]) == 1
+        else row["policy"]
+        for row in rows
+    ]
+
+
 def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
     """The headline of each long-context setting (model, protocol, length, policy, budget): ``tasks``, each
     task's score x100 (its own metric) as a :class:`~h2o_eval.stats.Estimate` with its document-bootstrap
@@ -448,14 +483,14 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
     headline's to choose."""
     settings: dict[tuple, dict[str, Any]] = {}
     limits: dict[tuple, set] = {}
-    for row in rows:
+    for row, policy in zip(rows, policies_per_task(rows), strict=True):
         if row["length"] is None:
             continue
         scores = stats.question_scores(row, results_dir, row["metric"])
         if not scores:
             print(f"note: {row['task']} {row['policy']} has no per-question outputs: left out", file=sys.stderr)
             continue
-        key = (row["model"], row["protocol"], row["length"], row["policy"], row["budget"])
+        key = (row["model"], row["protocol"], row["length"], policy, row["budget"])
         setting = settings.setdefault(
             key,
             {
@@ -465,11 +500,14 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
                 "tasks": {},
                 "scores": {},
                 "limits": {},
+                "questions": {},
             },
         )
         task = row["task"].rsplit("@", 1)[0]
         limits.setdefault((row["model"], row["length"], task), set()).add(row["limit"])
         setting["limits"][task] = row["limit"]
+        if policy == row["policy_without_questions"]:
+            setting["questions"][task] = row["questions"]
         documents, values = zip(*scores.values(), strict=True)
         setting["scores"][task] = ([100 * value for value in values], list(documents))
         setting["tasks"][task] = stats.estimate(*setting["scores"][task])
@@ -504,6 +542,36 @@ def limits_label(limits: dict[str, int | float | None]) -> str:
     return "; ".join([_limit_label(common), *others])
 
 
+def questions_note(asked: dict[str, int | None]) -> str:
+    """The questions per context each task was asked: "4 questions per context" when the tasks share it, else the
+    most common count and the tasks of each other one ("4 questions per context (cwe, fwe, qa_2: 1)"); "" when
+    none is known."""
+    tasks: dict[int, list[str]] = {}
+    for task in sorted(asked, key=_task_order):
+        if asked[task] is not None:
+            tasks.setdefault(asked[task], []).append(task)
+    if not tasks:
+        return ""
+    common = max(tasks, key=lambda count: len(tasks[count]))
+    others = [f"{', '.join(named)}: {count}" for count, named in tasks.items() if count != common]
+    return questions_label(common) + (f" ({'; '.join(others)})" if others else "")
+
+
+def _questions_named(asked: dict[str, int | None], shared: Collection[str]) -> str:
+    """:func:`questions_note` of ``asked``, or "" when the settings every row shares already name it."""
+    note = questions_note(asked)
+    return "" if note in shared else note
+
+
+def _questions_of_task(rows: list[dict[str, Any]]) -> str:
+    """The one count of questions per context that every row of one task was asked, for its figure's title ("" when
+    the rows differ in it, so that their labels tell them apart, or when every report row shares it)."""
+    counts = {r["questions"] for r in rows}
+    if len(counts) != 1 or None in counts or not rows:
+        return ""
+    return _questions_named({rows[0]["task"]: rows[0]["questions"]}, rows[0]["shared"])
+
+
 def _estimate(estimate: stats.Estimate) -> str:
     return f"{estimate.value:.1f} [{estimate.low:.1f}, {estimate.high:.1f}]"
 
@@ -512,17 +580,23 @@ def headline_markdown(settings: list[dict[str, Any]]) -> str:
     """The long-context headline as a Markdown table: per setting the mean over tasks and each task's score."""
     tasks = sorted({task for s in settings for task in s["tasks"]}, key=_task_order)
     limits = len({limits_label(s["limits"]) for s in settings}) > 1
+    asked = {_questions_named(s["questions"], s["shared"]) for s in settings}
+    every = [*(settings[0]["shared"] if settings else ()), *(asked if len(asked) == 1 else ())]
     lines = [
         "Long context: each task's score x100 (RULER's metric: string_match_all, string_match_part for qa) with "
         f"its 95 % interval resampling documents ({stats.RESAMPLES:,} resamples, seed {stats.SEED}); mean: the "
         "unweighted mean of the task scores (RULER's and kvpress's headline), its interval resampling documents "
-        "within each task." + (f" Every row: {shared_note(settings)}." if shared_note(settings) else ""),
+        "within each task." + (f" Every row: {', '.join(filter(None, every))}." if any(every) else ""),
         "",
         "| model | protocol | length | policy | budget | mean [95 % CI] | tasks | " + " | ".join(tasks) + " |",
         "|---|---|---:|---|---:|---|---|" + "---|" * len(tasks),
     ]
     for s in settings:
-        model = f"{s['model']} ({limits_label(s['limits'])})" if limits else s["model"]
+        named = [
+            *([limits_label(s["limits"])] if limits else []),
+            *([_questions_named(s["questions"], s["shared"])] if len(asked) > 1 else []),
+        ]
+        model = f"{s['model']} ({'; '.join(filter(None, named))})" if any(named) else s["model"]
         cells = [_estimate(s["tasks"][task]) if task in s["tasks"] else "" for task in tasks]
         lines.append(
             f"| {model} | {s['protocol']} | {s['length']} | {s['policy']} | {_percent(s['budget'])} "
@@ -567,6 +641,7 @@ def _narrowed(setting: dict[str, Any], tasks: set[str]) -> dict[str, Any]:
         **setting,
         "tasks": {task: setting["tasks"][task] for task in kept},
         "limits": {task: setting["limits"][task] for task in kept},
+        "questions": {task: count for task, count in setting["questions"].items() if task in kept},
         "scores": {task: setting["scores"][task] for task in kept},
         "mean": stats.mean_over_tasks([setting["scores"][task] for task in kept]),
         "left_out": left_out,
@@ -589,7 +664,9 @@ def _leaderboard_title(key: tuple, group: list[dict[str, Any]]) -> str:
     model, protocol, length = key
     limits = {task: limit for s in group for task, limit in s["limits"].items()}
     named = any(limit is not None for limit in limits.values())
-    title = f"{model}, protocol {protocol}, {length} tokens" + (f", {shared_note(group)}" if shared_note(group) else "")
+    asked = _questions_named({task: count for s in group for task, count in s["questions"].items()}, group[0]["shared"])
+    note = ", ".join(filter(None, [shared_note(group), asked]))
+    title = f"{model}, protocol {protocol}, {length} tokens" + (f", {note}" if note else "")
     return title + (f", {limits_label(limits)}" if named else "")
 
 
@@ -642,6 +719,7 @@ LEADERBOARD_COLUMNS = (
     "protocol",
     "length",
     "limits",
+    "per_context",
     "policy",
     "budget",
     "ratio",
@@ -660,6 +738,7 @@ def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {
             **{key: s[key] for key in HEADLINE_KEYS},
             "limits": limits_label(s["limits"]),
+            "per_context": questions_note(s["questions"]),
             "ratio": _ratio(s["budget"]),
             "tasks": len(s["tasks"]),
             "score": round(s["mean"].value, 4),
@@ -710,7 +789,7 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
     ax.set(
         xlabel=f"compression ratio (share of {BUDGET_SHARE[key[1]]} removed, 1 − budget)",
         ylabel=f"score (mean of {tasks_label(tasks)}, x100)",
-        title=_leaderboard_title(key, group),
+        title=textwrap.fill(_leaderboard_title(key, group), 80),
         ylim=(-2, 102),
     )
     ax.grid(alpha=0.3)
@@ -775,6 +854,170 @@ def write(
     return written
 
 
+PROVENANCE = "PROVENANCE.md"
+PROVENANCE_VERSIONS = ("torch", "transformers", "lm_eval")
+# The settings every report names in its own columns, in the order the provenance lists them.
+PROVENANCE_NAMED = ("model", "task", "length", "policy", "budget", "protocol", "num_fewshot", "limit", "data")
+# How a run was run: never part of its identity (results.NOT_IDENTITY), so never a reason its numbers differ.
+PROVENANCE_HOW = ("batch_size", "stack_cells", "device", "kernels")
+
+
+def _utc(created: str) -> datetime:
+    return datetime.fromisoformat(created).astimezone(timezone.utc)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:,.0f} s" + (f" ({seconds / 3600:.1f} h)" if seconds >= 3600 else "")
+
+
+def _counted(values: list[Any]) -> str:
+    """The distinct ``values``, most common first, each with its count when there are several ("1" or
+    "4 (30), 1 (9)")."""
+    counts = Counter("–" if value is None else str(value) for value in values)
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{value} ({n})" for value, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])))
+
+
+def _span(records: list[dict[str, Any]]) -> float:
+    """Seconds from the first record's start (``created`` minus ``wall_seconds``) to the last one's end."""
+    starts = [_utc(r["created"]) - timedelta(seconds=r.get("wall_seconds") or 0.0) for r in records]
+    return (max(_utc(r["created"]) for r in records) - min(starts)).total_seconds()
+
+
+def _commit_row(commit: str, records: list[dict[str, Any]]) -> str:
+    created = sorted(_utc(r["created"]) for r in records)
+    dirty = sum((r.get("git") or {}).get("dirty") is True for r in records)
+    unknown = sum((r.get("git") or {}).get("dirty") is None for r in records)
+    versions = [_counted([(r.get("versions") or {}).get(name) for r in records]) for name in PROVENANCE_VERSIONS]
+    cells = [
+        commit,
+        str(len(records)),
+        str(dirty) + (f" ({unknown} unknown)" if unknown else ""),
+        f"{created[0]:%Y-%m-%d %H:%M}",
+        f"{created[-1]:%Y-%m-%d %H:%M}",
+        _duration(sum(r.get("wall_seconds") or 0.0 for r in records)),
+        _duration(sum(r.get("load_seconds") or 0.0 for r in records)),
+        _duration(_span(records)),
+        _counted([(r.get("threads") or {}).get("torch") for r in records]),
+        *versions,
+        ", ".join(sorted({r["model"] for r in records})),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> str:
+    """Where ``records`` (read from ``source``, those of the ``--task``/``--model`` options in ``chosen``) came
+    from, as Markdown: per commit (the oldest first) how many
+    records it computed, how many of them with a dirty tree, the first and last ``created``, the summed
+    ``wall_seconds`` and ``load_seconds`` and the elapsed span, the torch threads, the versions of torch,
+    transformers and lm_eval and the models; then what each commit computed; then the settings every record
+    shares and those that vary, with their counts. Everything is read from the records, so regenerating it from
+    the same records writes the same file."""
+    if not records:
+        raise ValueError(f"no records in {source}: nothing to tell the provenance of")
+    by_commit: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        commit = (record.get("git") or {}).get("commit")
+        by_commit.setdefault(commit[:7] if commit else "unknown", []).append(record)
+    commits = sorted(by_commit, key=lambda c: (min(_utc(r["created"]) for r in by_commit[c]), c))
+    dirty = sum((r.get("git") or {}).get("dirty") is True for r in records)
+    first, last = min(_utc(r["created"]) for r in records), max(_utc(r["created"]) for r in records)
+    lines = [
+        f"# Provenance of `{source}`",
+        "",
+        f"Generated from the records by `python -m h2o_eval.plot {source}{chosen} --provenance`: every entry is "
+        "read from "
+        "the records (`git`, `created`, `wall_seconds`, `load_seconds`, `threads`, `versions`, `config`). "
+        "Regenerate it; never edit it.",
+        "",
+        f"{len(records)} records, computed at {len(commits)} commit{'s' if len(commits) != 1 else ''} ({dirty} of "
+        f"them with a dirty tree: uncommitted changes), from {first:%Y-%m-%d %H:%M} to {last:%Y-%m-%d %H:%M} UTC.",
+        "",
+        "## Commits",
+        "",
+        "Times are UTC. Run time is the records' summed `wall_seconds` (a grid's cells share their run time); "
+        "load is the summed `load_seconds` (a grid's cells share one model load, counted once per cell); elapsed "
+        "runs from the first record's start to the last one's end, overlapping runs counted once. Threads: "
+        "torch's intra-op threads per process.",
+        "",
+        "| commit | records | dirty | first created | last created | run time | load | elapsed | threads "
+        "| " + " | ".join(PROVENANCE_VERSIONS) + " | models |",
+        "|---|---:|---:|---|---|---:|---:|---:|---|---|---|---|---|",
+        *(_commit_row(commit, by_commit[commit]) for commit in commits),
+        _commit_row("**all**", records),
+        "",
+        "## What each commit computed",
+        "",
+        "| commit | model | records | tasks | policies | budgets |",
+        "|---|---|---:|---|---|---|",
+    ]
+    for commit in commits:
+        for model in sorted({r["model"] for r in by_commit[commit]}):
+            mine = [r for r in by_commit[commit] if r["model"] == model]
+            tasks = sorted({r["task"] for r in mine}, key=_task_order)
+            policies = sorted({r["policy"] for r in mine})
+            budgets = sorted({r["budget"] for r in mine}, key=lambda b: (isinstance(b, int), b))
+            lines.append(
+                f"| {commit} | {model} | {len(mine)} | {', '.join(tasks)} | {', '.join(policies)} "
+                f"| {', '.join(f'{b:g}' for b in budgets)} |"
+            )
+    lines += ["", "## Settings", "", *_settings_lines(records)]
+    return "\n".join(lines) + "\n"
+
+
+def _settings_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The settings every record shares and those that vary (each value with its record count): those the
+    reports name in columns, the departures from the defaults (:func:`h2o_eval.settings.report_labels`), then
+    how the runs were run, which never changes a number (batch size, stacked cells, device, kernels)."""
+    shared: list[str] = []
+    varying: list[str] = []
+
+    def sort(name: str, values: list[Any], note: str = "") -> None:
+        (shared if len(set(map(str, values))) == 1 and not note else varying).append(
+            f"{name}: {_counted(values)}{note}"
+        )
+
+    for key in PROVENANCE_NAMED:
+        sort(key, [_short(r.get(key)) if key == "data" else r.get(key) for r in records])
+    labelled = [r for r in records if "config" in r and "policy_params" in r]
+    if labelled:
+        own, common = report_labels([r["config"] for r in labelled], [r["policy_params"] for r in labelled])
+        shared += common
+        for key in dict.fromkeys(key for departures in own for key in departures):
+            texts = [departures[key] for departures in own if key in departures]
+            rest = len(labelled) - len(texts)
+            sort(key, texts, f"; the other {rest}: its default, or not a setting of theirs" if rest else "")
+        for key in PROVENANCE_HOW:
+            if any(key in r["config"] for r in labelled):
+                sort(f"{key} (not identity)", [r["config"].get(key) for r in labelled])
+    if len(labelled) < len(records):
+        varying.append(f"{len(records) - len(labelled)} records hold no config: their other settings are unknown")
+    return [
+        "Every record:" if shared else "No setting is shared by every record.",
+        "",
+        *(f"- {text}" for text in shared),
+        *(
+            ["", "Varying, with the number of records of each value:", "", *(f"- {text}" for text in varying)]
+            if varying
+            else []
+        ),
+    ]
+
+
+def _short(data: Any) -> Any:
+    """A data fingerprint as its first 12 hex digits (``hub`` as it is)."""
+    return data[:12] if isinstance(data, str) and len(data) > 16 else data
+
+
+def write_provenance(records: list[dict[str, Any]], source: str, out: Path, chosen: str = "") -> Path:
+    """:func:`provenance` of ``records`` as ``out``/PROVENANCE.md; returns its path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / PROVENANCE
+    path.write_text(provenance(records, source, chosen))
+    return path
+
+
 def log_to_wandb(rows: list[dict[str, Any]], files: list[Path], group: str, project: str, mode: str) -> None:
     """Log the figures and the table as one W&B run in ``group`` (a sweep's runs share its folder's name)."""
     import wandb
@@ -804,6 +1047,12 @@ def main(argv: list[str] | None = None) -> None:
         "--against", default="full", help="paired comparisons with this policy at the same budget (default: full)"
     )
     parser.add_argument("--needle", action="store_true", help="long-context tasks: depth x length heatmaps instead")
+    parser.add_argument(
+        "--provenance",
+        action="store_true",
+        help="write PROVENANCE.md instead: per commit the records computed at it, their times, threads, versions "
+        "and settings",
+    )
     parser.add_argument(
         "--leaderboard",
         action="store_true",
@@ -847,6 +1096,12 @@ def _plot(args: argparse.Namespace, out: Path) -> None:
             f"{' '.join(args.model or ['any'])}: its tasks are {', '.join(sorted({r['task'] for r in records}))}, "
             f"its models {', '.join(sorted({r['model'] for r in records}))}"
         )
+    if args.provenance:
+        options = "".join(
+            f" --{name} {' '.join(getattr(args, name))}" for name in ("task", "model") if getattr(args, name)
+        )
+        print(write_provenance(chosen, str(args.results_dir), out, options))
+        return
     rows = table(chosen, args.metric)
     if args.needle:
         files = plot_needle.write(rows, args.results_dir, out)

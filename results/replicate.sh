@@ -17,8 +17,8 @@
 #   gemma         Gemma 3 270M, 5-shot, simulate at 20 %: COPA's headline cells, then PIQA (100) full, h2o, local
 #   piqa500       SmolLM2, 5-shot, PIQA's first 500 documents, simulate at 20 %: full, h2o, local, h2o_reference
 #   summaries     XSUM and CNN/DM, 1-shot, 100 documents, prefill at 20 %: full, h2o, local, streaming, tova
-#   tables        results/replication/{5shot,gemma,summaries}: tables, paired tests and figures, each
-#                 from its records in RUNS_DIR/replication (a folder without records there is left as committed)
+#   tables        results/replication/{5shot,gemma,summaries}: tables, paired tests, figures and PROVENANCE.md,
+#                 each from its records in RUNS_DIR/replication (a folder without records there is left as committed)
 #
 # zero_shot writes to RUNS_DIR and results/replication/ (as it did); the others to RUNS_DIR/replication.
 #
@@ -121,6 +121,11 @@ tables() {
     plot "$summaries" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --at 0.2
     plot "$summaries" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries/against_local --at 0.2 \
         --against local
+    # where the records came from (per commit: count, dates, machine time, threads, versions, settings)
+    plot "$five" $smollm2 --task $ll_tasks --out results/replication/5shot --provenance
+    plot "$piqa500" $smollm2 --out results/replication/5shot/piqa500 --provenance
+    plot "$gemma" --model gemma3-270m --out results/replication/gemma --provenance
+    plot "$summaries" $smollm2 --task xsum cnn_dailymail --out results/replication/summaries --provenance
 }
 
 mkdir -p "$out"

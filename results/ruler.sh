@@ -24,7 +24,8 @@
 #                 Units of a task and 3 policies; two lanes split them: LANE=0/2 ... leaderboard & LANE=1/2 ...
 #                 (the lanes of one machine take cwe, fwe and qa_2's units one at a time: SmolLM2's peak at 13 GB)
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
-#                 leaderboard/tasks), from RECORDS/<stage>
+#                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
+#                 from RECORDS/<stage>
 set -euo pipefail
 data=${1:-../shared/data}
 out=${2:-results/ruler/records}
@@ -101,6 +102,8 @@ tables() {
                 python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --leaderboard
                 python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder/tasks" ;;
         esac
+        # where the records came from (per commit: count, dates, machine time, threads, versions, settings)
+        python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --provenance
     done
 }
 for stage in $stages; do "$stage"; done

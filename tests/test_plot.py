@@ -631,3 +631,97 @@ def test_a_folder_of_nothing_readable_names_the_files_it_skipped_and_the_earlier
     assert exit_.value.code == 2 and err.count("\n") == 1 and "usage" not in err
     assert err.startswith(f"error: no record in {results_dir} was readable: skipped {results_dir / 'r0.json'}")
     assert f"the figures in {out} are an earlier plot's" in err
+
+
+def provenance_record(folder, name, commit, dirty, created, wall, threads=1, **overrides):
+    """A record of niah_single_1 at 4096 tokens computed at ``commit`` (``dirty``), ending at ``created`` after
+    ``wall`` seconds, under torch ``threads``; ``overrides``: its other settings."""
+    record = fake_record(
+        "niah_single_1", "h2o", 0.5, 0.5, created=created, protocol="context",
+        settings={"task.length": 4096, "decoding": "grow", **overrides},
+    )  # fmt: skip
+    record |= {
+        "length": 4096,
+        "git": {"commit": commit * 40, "dirty": dirty},
+        "wall_seconds": wall,
+        "load_seconds": 2.0,
+        "threads": {"torch": threads, "blas": [threads], "numba": threads, "threads": threads},
+        "versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0", "lm_eval": "0.4.13"},
+    }
+    results.write_record(folder / f"{name}.json", record)
+
+
+def test_provenance_tells_per_commit_its_records_times_threads_and_versions_and_the_settings_shared_or_varying(
+    tmp_path, capsys
+):
+    provenance_record(tmp_path, "a", "a", False, "2026-11-25T10:10:00+00:00", 600.0, **{"task.questions": 4})
+    provenance_record(tmp_path, "b", "a", True, "2026-11-25T10:20:00+00:00", 300.0, threads=2, **{"task.questions": 4})
+    provenance_record(tmp_path, "c", "b", False, "2026-11-25T12:00:00+00:00", 3600.0, **{"task.questions": 1})
+    out = tmp_path / "tables"
+    plot.main([str(tmp_path), "--provenance", "--out", str(out)])
+    text = (out / "PROVENANCE.md").read_text()
+    assert capsys.readouterr().out.strip() == str(out / "PROVENANCE.md")
+    lines = text.splitlines()
+    assert lines[0] == f"# Provenance of `{tmp_path}`"
+    assert "3 records, computed at 2 commits (1 of them with a dirty tree" in text
+    aaa, bbb, total = (
+        next(line for line in lines if line.startswith(start)) for start in ("| aaa", "| bbb", "| **all")
+    )
+    assert aaa == (
+        "| aaaaaaa | 2 | 1 | 2026-11-25 10:10 | 2026-11-25 10:20 | 900 s | 4 s | 1,200 s | 1 (1), 2 (1) "
+        "| 2.13.0+cpu | 5.24.0 | 0.4.13 | tiny-llama |"
+    )
+    assert bbb == (
+        "| bbbbbbb | 1 | 0 | 2026-11-25 12:00 | 2026-11-25 12:00 | 3,600 s (1.0 h) | 2 s | 3,600 s (1.0 h) | 1 "
+        "| 2.13.0+cpu | 5.24.0 | 0.4.13 | tiny-llama |"
+    )
+    assert total.startswith("| **all** | 3 | 1 | 2026-11-25 10:10 | 2026-11-25 12:00 | 4,500 s (1.2 h) | 6 s ")
+    assert "| 7,200 s (2.0 h) | 1 (2), 2 (1) |" in total  # 10:00 (the first start) to 12:00
+    assert "| aaaaaaa | tiny-llama | 2 | niah_single_1 | h2o | 0.5 |" in lines
+    shared = lines[lines.index("Every record:") + 2 : lines.index("Varying, with the number of records of each value:")]
+    assert {"- length: 4096", "- protocol: context", "- decoding=grow"} <= set(shared)
+    assert "- task.questions: 4 questions per context (2), 1 question per context (1)" in lines
+    plot.main([str(tmp_path), "--provenance", "--out", str(out)])
+    assert (out / "PROVENANCE.md").read_text() == text  # regenerated from the same records: the same file
+
+
+def test_provenance_of_a_folder_without_records_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        plot.main([str(tmp_path), "--provenance", "--out", str(tmp_path / "tables")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "no records in" in err
+    assert not (tmp_path / "tables" / "PROVENANCE.md").exists()
+
+
+def test_a_leaderboard_whose_tasks_ask_different_questions_per_context_names_each_tasks_count_once(tmp_path, capsys):
+    """As the shared-context preset asks four questions of each haystack but one of fwe's documents: one row per
+    policy over both tasks, the counts named once in the title, the headline, the CSV and each task's figure."""
+    for policy, budget, niah, fwe in (("full", 1.0, 5, 20), ("h2o", 0.5, 3, 10)):
+        per_document = [[1] * 4] * niah + [[0] * 4] * (5 - niah)
+        long_record(tmp_path, "niah_single_1", policy, budget, per_document, limit=5, settings={"task.questions": 4})
+        per_document = [[1]] * fwe + [[0]] * (20 - fwe)
+        long_record(tmp_path, "fwe", policy, budget, per_document, limit=20, settings={"task.questions": 1})
+    board = tmp_path / "board"
+    plot.main([str(tmp_path), "--leaderboard", "--out", str(board)])
+    lines = (board / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
+    assert lines[0].startswith(
+        "Leaderboard: tiny-llama, protocol context, 4096 tokens, 4 questions per context (fwe: 1), limit=5; fwe: 20. "
+    )
+    assert [line.split(" [")[0] for line in lines[4:]] == ["| full (ceiling) | 100.0", "| h2o | 55.0"]  # (3/5+10/20)/2
+    with (board / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
+        assert {row["per_context"] for row in csv.DictReader(handle)} == {"4 questions per context (fwe: 1)"}
+    out = tmp_path / "plots"
+    plot.main([str(tmp_path), "--out", str(out)])
+    capsys.readouterr()
+    headline = (out / "headline.md").read_text()
+    assert "Every row: 4 questions per context (fwe: 1)." in headline
+    assert "| tiny-llama | context | 4096 | h2o | 50% | 55.0 [" in headline  # one row over both tasks
+    assert "| mean of 2 tasks | tiny-llama | context | h2o | 50% |" in (out / "paired_full.md").read_text()
+    from matplotlib.image import imread
+
+    assert imread(out / "fwe@4096.png").size  # drawn; its title and labels are checked below
+    rows = plot.table(results.load_records(tmp_path))
+    fig = plot.figure(rows, "fwe@4096")
+    ax = fig.axes[0]
+    assert ax.get_title() == "fwe@4096 (1 question per context)"
+    assert {text.get_text() for text in ax.get_legend().get_texts()} == {"full cache", "h2o"}
