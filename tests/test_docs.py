@@ -1,5 +1,5 @@
-"""The shipped prose reads easily and its links lead somewhere: README.md, every page under docs/ and every README
-under results/ keep their sentences short, README.md stays a front page, and relative links resolve."""
+"""The shipped prose reads easily and its links lead somewhere: README.md, CHANGELOG.md, every page under docs/ and
+every README under results/ keep their sentences short, README.md stays a front page, and relative links resolve."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ LONG_SHARE = 0.05  # ... and at most this share of a file's sentences may be
 README_LINES = 250
 
 PAGES = sorted(
-    [REPO / "README.md", *(REPO / "docs").glob("**/*.md"), *(REPO / "results").glob("**/README.md")],
+    [
+        REPO / "README.md",
+        REPO / "CHANGELOG.md",
+        *(REPO / "docs").glob("**/*.md"),
+        *(REPO / "results").glob("**/README.md"),
+    ],
     key=lambda path: str(path.relative_to(REPO)),
 )
 BEING_REWRITTEN = {"results/README.md": "results/README.md is being rewritten"}
