@@ -1,6 +1,6 @@
 """``python -m h2o_eval.grid OVERRIDES``: a ``--multirun`` sweep of long-context tasks that computes each prompt once.
 
-    python -m h2o_eval.grid model=smollm2-135m task=niah_single,niah_multikey task.length=1024,2048 \\
+    python -m h2o_eval.grid model=smollm2-135m task=niah_single_1,niah_multikey_1 task.length=1024,2048 \\
         ++task.max_new_tokens=32 limit=20 policy=full,h2o,snapkv budget=0.1,0.25 protocol=prefill,context \\
         data_dir=../shared/data results_dir=RUNS
 

@@ -118,8 +118,8 @@ def record_path(results_dir: str | Path, config: dict[str, Any], ident: dict[str
 
 
 def stored(path: Path) -> Path | None:
-    """The record of ``path``'s setting if one is stored: at ``path``, or under the name an earlier version gave
-    the same identity (the same hash), which is then still that setting's record."""
+    """The record of ``path``'s setting if one is stored: at ``path``, or under another name that ends in the same
+    hash (a name that spells out fewer settings), which is still that setting's record: the hash is the identity."""
     if path.exists():
         return path
     digest_part = path.stem.rsplit("__", 1)[-1]

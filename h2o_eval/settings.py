@@ -50,8 +50,8 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def policy_departures(built: Mapping[str, Any]) -> dict[str, Any]:
     """The built policy's parameters (``Policy.describe()``) that its YAML's policy at the same budget and rounding
     would not have, as ``policy.<name>`` (a wrapped base's as ``policy.base.<name>``; ``policy.base.name`` when the
-    base differs), the keys the command line sets them with. A policy that no longer builds from its YAML departs
-    in every parameter."""
+    base differs), the keys the command line sets them with. A policy that its YAML cannot build (a record made under
+    other defaults) departs in every parameter."""
     from h2o_eval.policies import make_policy
 
     params = _group("policy").get(built["name"], {})

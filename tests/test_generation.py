@@ -314,7 +314,7 @@ def test_context_batches_need_questions_of_one_length(tiny):
 
 
 def test_kvzip_through_the_public_api_holds_c_slots_once_compress_ran(tiny):
-    """The README's path: feed the context through an EvictionCache, call ``cache.compress``: KVzip's passes run
+    """docs/python-api.md's path: feed the context through an EvictionCache, call ``cache.compress``: KVzip's passes run
     and the cache holds C of the context's tokens per layer and KV head (KVzip shares the model's C x layers x
     heads slots out across them), as the runners' own path (``settle``) leaves it."""
     model, tokenizer = tiny

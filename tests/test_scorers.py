@@ -1,7 +1,7 @@
 """The scorers that need more than attention votes (Expected Attention, KeyDiff, CriticalKV, KVzip, the oracle):
 each by hand on tiny tensors, and each on a tiny Llama against an independent implementation of its definition
 written here from the paper (not by calling the policy). kvpress itself is compared on SmolLM2 outside the suite
-(see the README's policy table)."""
+(see docs/policies.md, "Against kvpress")."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What a run costs on this machine: seconds per document (or question) for each task family and length, per model,
-one thread, and the generation's tokens/s; the README's "What it costs" section is this script's output.
+one thread, and the generation's tokens/s; docs/costs.md's "Seconds per document" table is this script's output.
 
     python -m h2o_eval.benchmarks.costs --data-dir ../shared/data [--models smollm2-135m gemma3-270m]
 
@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-# (label, overrides, unit): the task families at the lengths the README's examples use.
+# (label, overrides, unit): the task families at the lengths the docs' examples use.
 SETTINGS = [
     ("copa 0-shot, simulate, h2o 20 %", ["task=copa", "limit=20"], "document"),
     ("piqa 5-shot, simulate, h2o 20 %", ["task=piqa", "num_fewshot=5", "limit=10"], "document"),

@@ -2,16 +2,15 @@
 
     python -m h2o_eval.benchmarks.long_forward --data-dir ../shared/data [--lengths 2048 4096 8192]
 
-For each length T (in SmolLM2's tokens of XSUM articles, joined), one forward of T tokens is timed in a fresh
-process per setting, after a short warm-up forward, so that its peak RSS is its own: ``full``; the model without
-h2o_eval (``none``: transformers' own attention, where ``full`` goes through the backend, whose padding mask is
-always materialised); ``h2o`` at 0.2 in the simulate protocol (the whole sequence under per-step eviction), the
-prefill protocol (T - 64 context tokens compressed, then 64 under eviction) and the context protocol (T - 128
-compressed, then 128); and ``snapkv`` at 0.2 in the prefill and context protocols (``--only h2o:prefill ...``
-picks settings). Prints, per setting, the wall time, the CPU time of the process (on a shared machine the
-steadier figure: run with one thread, it is the forward's own work however the cores are shared) and the
-forward's own peak memory (the peak RSS during the forward, reset after the warm-up, minus the RSS before it),
-each also as a ratio to ``full`` at the same length.
+For each length T (in SmolLM2's tokens of XSUM articles, joined), one forward of T tokens is timed in a fresh process
+per setting, after a short warm-up forward, so that its peak RSS is its own: ``full``; the model without h2o_eval
+(``none``: transformers' own attention, where ``full`` goes through the backend); ``h2o`` at 0.2 in the simulate
+protocol (the whole sequence under per-step eviction), the prefill protocol (T - 64 context tokens compressed, then 64
+under eviction) and the context protocol (T - 128 compressed, then 128); and ``snapkv`` at 0.2 in the prefill and
+context protocols (``--only h2o:prefill ...`` picks settings). Prints, per setting, the wall time, the CPU time of the
+process (on a shared machine the steadier figure: run with one thread, it is the forward's own work however the cores
+are shared) and the forward's own peak memory (the peak RSS during the forward, reset after the warm-up, minus the RSS
+before it), each also as a ratio to ``full`` at the same length.
 """
 
 from __future__ import annotations

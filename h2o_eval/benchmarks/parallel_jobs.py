@@ -5,7 +5,7 @@
 
 Each job is a fresh ``python -m h2o_eval`` process scoring ``--task`` (first ``--limit`` documents) with
 ``policy=h2o`` into its own results folder. Three cases: one job alone with every core; two jobs at once with
-every core each (``threads`` = all cores: what every job did before the setting); two jobs at once with
+every core each (``threads`` = all cores, so the two compete for them); two jobs at once with
 ``threads`` = cores / 2 (the default under ``hydra/launcher=joblib hydra.launcher.n_jobs=2``). Prints each
 case's wall and its jobs' walls (process start to exit, model loading included).
 """

@@ -192,7 +192,7 @@ class Policy:
     budget: float | int = 0.2
     rounding: str = "up"
     name: ClassVar[str]
-    # The protocols the policy exists in (see README): simulate, prefill, context.
+    # The protocols the policy exists in (docs/policies.md): simulate, prefill, context.
     protocols: ClassVar[tuple[str, ...]] = PROTOCOLS
     # Parameters (besides the budget) under which the generic test suites run the policy on tiny models and short
     # sequences; every registered policy takes part in every suite its protocols allow.

@@ -17,7 +17,7 @@ class KNorm(Policy):
 
     Args:
         recent_ratio: share of C kept as a window of the most recent tokens, C - floor(C * (1 - recent_ratio))
-            (0: none; 0.5 is this policy's layout before it followed kvpress).
+            (0: none, as the authors and kvpress).
     """
 
     recent_ratio: float = 0.0
