@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from h2o_eval.cache import EvictionCache
 
 STATE = ("keys", "values", "held", "position", "scores")  # what a layer holds per slot
-GROWTH = 8  # a layer's buffers grow by an eighth of its slots (at least MIN_GROWTH) when a decode step needs more
+GROWTH = 64  # a layer's buffers grow by 1/64 of its slots (at least MIN_GROWTH) when a decode step needs more: the
+# spare room is memory plain generate does not hold, and a copy of the layer every size / 64 steps costs little
 MIN_GROWTH = 64
 
 
@@ -131,7 +132,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def _expose(self, size: int) -> None:
         """Make the state ``size`` slots wide (never narrower), the new slots free: the slots live at the start of
-        larger buffers (``room``), grown by an eighth when they fill, so a decode step copies one token, not the
+        larger buffers (``room``), grown by 1/64 when they fill, so a decode step copies one token, not the
         whole cache as ``torch.cat`` would."""
         width = self.keys.shape[2]
         if size <= width:
