@@ -2,9 +2,16 @@
 one thread, and the generation's tokens/s; docs/costs.md's "Seconds per document" table is this script's output.
 
     python -m h2o_eval.benchmarks.costs --data-dir ../shared/data [--models smollm2-135m gemma3-270m]
+    python -m h2o_eval.benchmarks.costs --leaderboard SHARED ONE [--model smollm2-135m] [--documents 40]
 
 Each setting is one ``python -m h2o_eval`` run (the real runner, record and all) on a few documents, in a
 temporary results folder; the model's load (and a GGUF's one-time conversion) is not counted (``load_seconds``).
+
+``--leaderboard`` estimates, from records, what kvpress's protocol (one question per context) costs on all of
+RULER's thirteen tasks: a task's cells cost ``D * c + Q * q`` for D contexts and Q questions. A task with records
+of both protocols (``SHARED``: several questions per context, ``ONE``: one) gives its own context cost c and
+question cost q; a task with shared records only takes the mean c of those and its own q; a task that asks one
+question per context in both is its own measure.
 """
 
 from __future__ import annotations
@@ -59,11 +66,74 @@ def measure(model: str, overrides: list[str], data_dir: Path, results: Path) -> 
     return run(config)
 
 
+def task_costs(folder: Path, model: str) -> dict[str, tuple[float, int, int]]:
+    """Per long-context task of ``model`` in ``folder``: the summed ``wall_seconds`` of its cells, and the contexts
+    and questions one cell answered (each cell of a task answers the same ones)."""
+    from h2o_eval.results import load_records
+
+    found: dict[str, tuple[float, int, int]] = {}
+    for record in load_records(folder):
+        if record["model"] != model or "n_documents" not in record:
+            continue
+        seconds, _, _ = found.get(record["task"], (0.0, 0, 0))
+        found[record["task"]] = (seconds + record["wall_seconds"], record["n_documents"], record["n_questions"])
+    return found
+
+
+def leaderboard_estimate(shared: Path, one: Path, model: str, documents: int) -> list[tuple[str, str, float]]:
+    """Per RULER task, how its one-question cost was found and the seconds its cells would take on ``documents``
+    contexts of one question each (see the module)."""
+    from h2o_eval.plot import RULER_TASKS
+
+    many, single = task_costs(shared, model), task_costs(one, model)
+    split = {}  # task -> (c, q) from both protocols: D4 c + Q4 q = T4 and D1 c + Q1 q = T1
+    for task in many.keys() & single.keys():
+        (t4, d4, q4), (t1, d1, q1) = many[task], single[task]
+        if q4 > d4 and q1 == d1:
+            context = (t1 * q4 - t4 * q1) / (d1 * q4 - d4 * q1)
+            split[task] = (context, (t1 - d1 * context) / q1)
+    if not split:
+        raise SystemExit("error: no task has records of both protocols: run one in ONE (+experiment=kv_leaderboard)")
+    context = sum(c for c, _ in split.values()) / len(split)
+    rows = []
+    for task in RULER_TASKS:
+        if task in split:
+            rows.append((task, "both protocols", documents * sum(split[task])))
+        elif task in single or (task in many and many[task][1] == many[task][2]):
+            seconds, contexts, _ = single.get(task) or many[task]
+            rows.append((task, "one question per context", seconds / contexts * documents))
+        elif task in many:
+            seconds, contexts, questions = many[task]
+            rows.append(
+                (
+                    task,
+                    "shared records, mean context cost",
+                    documents * (seconds - contexts * context) / questions + documents * context,
+                )
+            )
+        else:
+            rows.append((task, "no records", float("nan")))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data-dir", required=True, type=Path)
+    parser.add_argument("--data-dir", type=Path)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
+    parser.add_argument("--leaderboard", nargs=2, type=Path, metavar=("SHARED", "ONE"))
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--documents", type=int, default=40)
     args = parser.parse_args()
+    if args.leaderboard:
+        rows = leaderboard_estimate(*args.leaderboard, args.model, args.documents)
+        print(f"| task | measured from | estimated CPU hours ({args.documents} contexts, every cell) |")
+        print("|---|---|---:|")
+        for task, source, seconds in rows:
+            print(f"| {task} | {source} | {seconds / 3600:.1f} |")
+        print(f"| all {len(rows)} | | {sum(seconds for *_, seconds in rows) / 3600:.1f} |")
+        return
+    if args.data_dir is None:
+        parser.error("give --data-dir (the settings' runs) or --leaderboard SHARED ONE (an estimate from records)")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for model in args.models:
