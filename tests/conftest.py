@@ -96,6 +96,21 @@ def make_config(data_dir: Path | None, results_dir: Path, **overrides) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+# Policies whose cases of a generic suite run by default: one of each kind of rule (accumulated, latest, window with
+# pooling, per-head budgets, no votes, extra passes); the others' cases are marked ``slow``.
+FAST_POLICIES = ("full", "h2o", "tova", "snapkv", "adakv", "streaming", "knorm", "kvzip")
+
+
+def fast_sample(cases: list, fast) -> list:
+    """``cases`` for ``parametrize``: those for which ``fast(case)`` holds run in the default (fast) suite, the
+    others are marked ``slow`` (``python -m pytest -m slow`` runs them; ``-m 'slow or not slow'`` runs all)."""
+    return [case if fast(case) else pytest.param(*_args(case), marks=pytest.mark.slow) for case in cases]
+
+
+def _args(case) -> tuple:
+    return tuple(case.values) if hasattr(case, "values") else case if isinstance(case, tuple) else (case,)
+
+
 @functools.cache
 def _record_settings(task: str, policy: str, budget: float | int, protocol: str, overrides: tuple) -> str:
     config = make_config(

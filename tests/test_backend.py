@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import TINY, registered
+from conftest import FAST_POLICIES, TINY, fast_sample, registered
 
 from h2o_eval import EvictionCache, load_model, make_policy, patch
 from h2o_eval.errors import ConfigError
@@ -46,7 +46,7 @@ def step_by_step(model, ids, cache, first: int = 1) -> torch.Tensor:
     return torch.cat(logits, dim=1)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", fast_sample(FAMILIES, lambda family: family in ("tiny-llama", "tiny-gemma3")))
 def test_full_and_whole_sequence_budgets_reproduce_the_unpatched_model(models, family):
     model = models(family)
     ids = tokens(2, 24)
@@ -75,9 +75,12 @@ def held_slots(layer) -> int:
 
 @pytest.mark.parametrize(
     ("family", "name", "kernels"),
-    [("tiny-llama", name, kernels) for name in EVICTING for kernels in ("auto", "torch")]
-    + [("tiny-opt", name, kernels) for name in EVICTING for kernels in ("auto", "torch")]
-    + [(family, name, "auto") for family in FAMILIES[1:] if family != "tiny-opt" for name in ("h2o", "streaming")],
+    fast_sample(
+        [("tiny-llama", name, kernels) for name in EVICTING for kernels in ("auto", "torch")]
+        + [("tiny-opt", name, kernels) for name in EVICTING for kernels in ("auto", "torch")]
+        + [(family, name, "auto") for family in FAMILIES[1:] if family != "tiny-opt" for name in ("h2o", "streaming")],
+        lambda case: case[0] == "tiny-llama" and case[1] in FAST_POLICIES and case[2] == "auto",
+    ),
 )
 def test_simulate_equals_token_by_token_eviction_cache(models, family, name, kernels):
     """Reference: EvictionCache fed one token at a time from empty (a cache that really holds C entries);
@@ -99,19 +102,22 @@ def test_simulate_equals_token_by_token_eviction_cache(models, family, name, ker
 
 @pytest.mark.parametrize(
     ("family", "name", "protocol"),
-    [
-        (family, name, protocol)
-        for family in ("tiny-llama", "tiny-opt")
-        for name in registered("prefill", evicting=True, passes=False)
-        for protocol in ("prefill", "context")
-        if protocol in POLICIES[name].protocols
-    ]
-    + [
-        (family, name, "prefill")
-        for family in FAMILIES
-        if family not in ("tiny-llama", "tiny-opt")
-        for name in ("h2o", "snapkv")
-    ],
+    fast_sample(
+        [
+            (family, name, protocol)
+            for family in ("tiny-llama", "tiny-opt")
+            for name in registered("prefill", evicting=True, passes=False)
+            for protocol in ("prefill", "context")
+            if protocol in POLICIES[name].protocols
+        ]
+        + [
+            (family, name, "prefill")
+            for family in FAMILIES
+            if family not in ("tiny-llama", "tiny-opt")
+            for name in ("h2o", "snapkv")
+        ],
+        lambda case: case[0] in ("tiny-llama", "tiny-gemma3") and case[1] in FAST_POLICIES,
+    ),
 )
 def test_prefill_protocol_equals_prefill_compress_then_decode(models, family, name, protocol):
     """Reference: EvictionCache(protocol="prefill") fed the 40-token context as one chunk, then one token at a
@@ -415,7 +421,7 @@ def test_knorm_keeps_the_smallest_key_norms_and_its_recent_window(models, recent
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", registered("prefill", evicting=True))
+@pytest.mark.parametrize("name", fast_sample(registered("prefill", evicting=True), lambda name: name in FAST_POLICIES))
 def test_capacity_after_the_prompt_holds_at_every_step_per_layer_and_head(models, name):
     """Prefill 30 tokens at C = 12, then 10 decode steps. Evicting policies hold exactly C per (layer, head) at
     every step; policies that grow hold what compression kept plus every later token: per layer (PyramidKV's C
@@ -475,7 +481,7 @@ def test_fraction_budget_without_a_length_is_refused_token_by_token(models):
         model(tokens(1, 1), cache=cache, use_cache=True)
 
 
-@pytest.mark.parametrize("kernels", ["torch", "auto", "triton"])
+@pytest.mark.parametrize("kernels", fast_sample(["torch", "auto", "triton"], lambda kernels: kernels != "triton"))
 def test_no_tensor_of_the_mechanism_is_made_on_a_fixed_device(kernels):
     """Every registered policy in every protocol, prompt and decode steps, with torch's default device set to
     ``meta``: a tensor built without the device of its inputs lands there and the run fails (a CUDA run would

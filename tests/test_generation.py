@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import make_config, registered
+from conftest import FAST_POLICIES, fast_sample, make_config, registered
 
 from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.generation import Batch, complete, generate, make_batch, settle
@@ -78,12 +78,15 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(tiny, protocol)
 @torch.no_grad()
 @pytest.mark.parametrize(
     ("name", "protocol"),
-    [
-        (name, protocol)
-        for name in registered("prefill", evicting=True)
-        for protocol in ("prefill", "simulate")
-        if protocol in POLICIES[name].protocols
-    ],
+    fast_sample(
+        [
+            (name, protocol)
+            for name in registered("prefill", evicting=True)
+            for protocol in ("prefill", "simulate")
+            if protocol in POLICIES[name].protocols
+        ],
+        lambda case: case[0] in ("full", "h2o", "snapkv", "kvzip"),
+    ),
 )
 def test_a_budget_covering_prompt_and_output_changes_nothing(tiny, name, protocol):
     """Policies that evict hold 4 entries at most; those that grow after their prompt hold what they kept (4, or
@@ -161,7 +164,9 @@ def test_prompts_show_shots_in_helm_style_and_never_the_document_itself(data_dir
     assert zero_shot.count("###") == 1
 
 
-@pytest.mark.parametrize("protocol", ["prefill", "simulate", "context"])
+@pytest.mark.parametrize(
+    "protocol", fast_sample(["prefill", "simulate", "context"], lambda protocol: protocol == "context")
+)
 def test_batched_generation_equals_one_document_at_a_time(tmp_path, data_dir, protocol):
     outputs = {}
     for batch_size in (1, 3):
@@ -185,6 +190,7 @@ def test_batched_generation_equals_one_document_at_a_time(tmp_path, data_dir, pr
     assert len(set(outputs[1])) > 1
 
 
+@pytest.mark.slow
 def test_record_rouge_equals_rouge_score_on_the_saved_outputs(tmp_path, data_dir):
     """SmolLM2, 0-shot on short articles: real summaries, so ROUGE is not trivially zero."""
     from rouge_score import rouge_scorer
@@ -242,7 +248,7 @@ def test_full_policy_peak_kv_is_the_full_cache(tmp_path, data_dir):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("name", registered("context", evicting=True))
+@pytest.mark.parametrize("name", fast_sample(registered("context", evicting=True), lambda name: name in FAST_POLICIES))
 def test_context_protocol_equals_compressing_the_context_then_feeding_the_question_token_by_token(tiny, name):
     """Reference: an EvictionCache(protocol="context") fed each document's context alone as one chunk, then its
     question one token at a time, then greedy decoding one token at a time; implementation: the runner's

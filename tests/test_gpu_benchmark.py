@@ -69,6 +69,7 @@ def test_every_setting_is_measured_and_holds_the_kv_it_should():
     assert h2o <= 2 * (16 + 1) * entry
 
 
+@pytest.mark.slow
 def test_every_setting_at_every_length_and_batch_reads_the_same_prompt(monkeypatch):
     """A shorter or smaller setting reads the first tokens and rows of the one seeded prompt; plain comes first."""
     seen: dict[tuple[int, int, str], torch.Tensor] = {}

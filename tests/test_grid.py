@@ -23,7 +23,7 @@ POLICIES = [("full", 1.0), ("h2o", 0.3), ("tova", 0.3), ("snapkv", 0.3), ("adakv
 POLICIES += [("streaming", 0.3), ("local", 0.25)]
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", pytest.param("tiny-gemma3", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("protocol", ["prefill", "context"])
 def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
     """Reference: each policy's EvictionCache fed the (left-padded) prompt alone; implementation: one pass of
@@ -126,6 +126,7 @@ def test_policies_at_several_budgets_score_a_shared_prompt_once(monkeypatch):
             assert int(b.held.sum()) < int(mask.sum()) * b.held.shape[1]  # the prompt was compressed
 
 
+@pytest.mark.slow
 def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     """Reference: the long-context runner's evaluate, one cell at a time; implementation: evaluate_shared over all
     the cells, in both protocols, batches of 3 documents of 2 questions (whose lengths differ, so the context protocol
@@ -153,7 +154,7 @@ def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     assert len(answers) > 2, "the policies should answer differently here, or the test proves little"
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", pytest.param("tiny-gemma3", marks=pytest.mark.slow)])
 def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, name):
     """Reference: each cell evaluated alone; implementation: evaluate_shared with ``stack_cells``, where every cell
     but the oracle's answers each group of questions in one batch from its own stacked compressed cache, with a
@@ -255,6 +256,7 @@ def test_stacking_cells_needs_the_context_protocol_and_grow(data_dir, tmp_path):
         validate(config)
 
 
+@pytest.mark.slow
 def test_cells_that_differ_in_budget_run_the_extra_passes_once(data_dir, tmp_path, monkeypatch):
     """Reference: KVzip's cells run one at a time, each with its own repeat passes; implementation: the cells in
     one evaluate_shared, where the three that differ only in budget run the passes once (the others take their
@@ -280,6 +282,7 @@ def test_cells_that_differ_in_budget_run_the_extra_passes_once(data_dir, tmp_pat
     assert len({tuple(o["kv_entries"] for o in one.outputs) for one in separate}) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("protocol", ["context", "prefill"])
 def test_the_oracle_at_several_budgets_generates_each_full_answer_once(data_dir, tmp_path, monkeypatch, protocol):
     """Reference: the oracle's cells run one at a time, each generating the full cache's answers its passes need;

@@ -23,7 +23,7 @@ class _IgnoreTagsLoader(yaml.SafeLoader):
 _IgnoreTagsLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
-@pytest.mark.parametrize("model_name", ["tiny-llama", "gemma3-270m"])
+@pytest.mark.parametrize("model_name", ["tiny-llama", pytest.param("gemma3-270m", marks=pytest.mark.slow)])
 def test_run_acc_equals_lm_eval_simple_evaluate(tmp_path, data_dir, model_name):
     """Reference: lm-eval's simple_evaluate on a hand-written local-data COPA YAML, unpatched model; implementation:
     run() with the full cache (the default policy, h2o at 0.2, matched it on the random tiny model only by chance)."""

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import RULES, make_chunk
+from conftest import RULES, fast_sample, make_chunk
 from h2o_eval.kernels import decode_attention as decode_module
 from h2o_eval.kernels.column_scores import attention_lse, column_sums
 from h2o_eval.kernels.decode_attention import decode_attention, split_slots
@@ -74,7 +74,7 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize(("batch", "heads", "length", "dim", "dtype", "padding"), PROMPTS)
-@pytest.mark.parametrize("rows", list(VOTES))
+@pytest.mark.parametrize("rows", fast_sample(list(VOTES), lambda rows: rows == "all"))
 def test_prompt_votes_triton_path_equals_column_scores_reference(batch, heads, length, dim, dtype, padding, rows):
     """Reference: column_scores_reference (the definition, and the CPU path); implementation: prompt_votes with
     ``triton``: the fused attention's output and log-sum-exp (the Triton log-sum-exp pass where padding rules the
@@ -249,7 +249,7 @@ def run_scan(query, key, value, chunk, **kwargs):
 
 
 @pytest.mark.parametrize(("batch", "heads", "n", "state", "padding", "dim", "dtype"), SCAN_GRID)
-@pytest.mark.parametrize("rule", ["h2o", "tova", "static"])
+@pytest.mark.parametrize("rule", fast_sample(["h2o", "tova", "static"], lambda rule: rule == "h2o"))
 def test_eviction_scan_kernel_equals_reference(batch, heads, n, state, padding, dim, dtype, rule):
     """Reference: attend_chunk_reference (the mechanism's definition, a torch loop over rows); implementation:
     the Triton scan of the decode rows (one program per sequence and KV head). Capacities of 3-6 slots, different
@@ -280,7 +280,7 @@ def test_eviction_scan_kernel_crosses_slot_blocks():
     torch.testing.assert_close(scores[held], expected.scores[held], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("rule", fast_sample(list(RULES), lambda rule: rule in ("h2o", "snapkv", "adakv")))
 @pytest.mark.parametrize(
     ("batch", "heads", "n", "prefill", "padding"),
     [(2, (6, 2), 21, 13, "right"), (1, (8, 2), 17, 99, "none"), (2, (4, 4), 19, 11, "left")],
@@ -386,7 +386,7 @@ def test_split_slots_aims_at_programs_per_sm_in_whole_tiles():
     assert split_slots(2, 130, 16, cpu) == (9, 16)  # 9 tiles, one split each
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova"])
+@pytest.mark.parametrize("name", ["h2o", pytest.param("tova", marks=pytest.mark.slow)])
 def test_eviction_cache_decodes_the_same_with_the_triton_kernel(name):
     """Reference: EvictionCache with kernels=torch; implementation: kernels=triton (the decode kernel in every
     evicting step), fed token by token with dozens of evictions."""
@@ -404,7 +404,9 @@ def test_eviction_cache_decodes_the_same_with_the_triton_kernel(name):
     assert (logits["torch"] - logits["triton"]).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "streaming"])
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) for name in ("h2o", "tova")] + ["streaming"]
+)
 def test_simulate_equals_token_by_token_with_triton_kernels(name):
     """Reference: EvictionCache fed one token at a time with kernels=triton (the decode kernel); implementation:
     patch(simulate, kernels=triton), one forward (the scan kernel in every layer). Two sequences of 20 tokens at
@@ -425,7 +427,7 @@ def test_simulate_equals_token_by_token_with_triton_kernels(name):
     assert (simulated - plain).abs().max() > 1e-2, "eviction changed nothing: the test proves nothing"
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova"])
+@pytest.mark.parametrize("name", ["h2o", pytest.param("tova", marks=pytest.mark.slow)])
 def test_prefill_protocol_with_triton_kernels_equals_the_torch_reference(name):
     """Reference: patch(prefill, kernels=torch), the plain loop; implementation: patch(prefill, kernels=triton):
     the 24-token context's scores from the column-score kernel, the 12-token continuation through the scan

@@ -116,6 +116,7 @@ def records(tasks, tmp_path_factory):
     return {(r["task"], r["policy"]): r for r in found}
 
 
+@pytest.mark.slow
 def test_a_task_outside_conf_scores_like_lm_eval_with_the_full_cache(tasks, records):
     """Reference: lm-eval's simple_evaluate on the unpatched model; implementation: the CLI with ``full``."""
     for task, metrics in (("mc_task", ("acc", "acc_norm", "brier_score")), ("gen_task", ("exact_match",))):
@@ -162,6 +163,7 @@ def test_the_record_identity_covers_the_task_files(tasks, tmp_path):
     assert len(set(named)) == 3 and all("__mc_task__" in path.name for path in named)
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_gives_the_numbers_of_h2o_eval(tasks, records, tmp_path):
     """Reference: ``python -m h2o_eval`` records; implementation: ``python -m h2o_eval.lm_eval --model h2o_eval``
     with the same model, policy, budget and protocol (lm-eval's table printed, its results file read)."""
@@ -259,6 +261,7 @@ def test_every_runner_that_generates_records_the_same_generation_and_capacity_fi
             assert record["capacity"]["length_mean"] == sum(r["budget_tokens"] for r in rows) / len(rows)
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_reads_local_data_as_h2o_eval_does(tmp_path, data_dir):
     """``python -m h2o_eval.lm_eval ... --data_dir DIR`` gives the numbers of ``python -m h2o_eval task=copa
     data_dir=DIR`` (the same one-task YAML over the local file); without ``--data_dir``, offline, the task is refused

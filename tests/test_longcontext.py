@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import make_config
+from conftest import fast_sample, make_config
 
 from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.errors import ConfigError
@@ -32,6 +32,7 @@ def outputs(folder, record) -> list[dict]:
     return [json.loads(line) for line in (folder / record["outputs"]).read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_the_cli_writes_a_line_per_question_with_its_document_and_depths(tmp_path, data_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
     args = ["model=tiny-llama", "task=niah_single_1", "task.length=700", "task.questions=2", "policy=h2o"]
@@ -71,8 +72,11 @@ def answer_alone(model, tokenizer, policy, protocol, context, question, new):
     return tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
 
-@pytest.mark.parametrize(("name", "protocol"), [("full", "context"), ("h2o", "context"), ("snapkv", "context"),
-                                                ("h2o", "prefill")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "protocol"),
+    fast_sample([("full", "context"), ("h2o", "context"), ("snapkv", "context"), ("h2o", "prefill")],
+                lambda case: case == ("h2o", "context")),
+)  # fmt: skip
 def test_each_question_answers_as_its_own_run_on_the_same_document(tmp_path, data_dir, tiny, name, protocol):
     """Reference: each (document, question) alone through a fresh cache (:func:`answer_alone`); implementation:
     the runner with 3 questions per document in batches of 2 documents. Under ``context`` the batch's contexts are

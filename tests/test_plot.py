@@ -144,6 +144,7 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # copa, xsum, vt and the leaderboard
 
 
+@pytest.mark.slow
 def test_figures_go_to_the_sweeps_wandb_group(results_dir, tmp_path, monkeypatch):
     import wandb
 

@@ -29,6 +29,7 @@ def test_the_python_api_page_has_python_blocks():
     assert re.search(r"```python\n", (REPO / "docs" / "python-api.md").read_text()), "no ```python block"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", BLOCKS)
 def test_a_python_block_of_the_docs_runs_as_written(block, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}

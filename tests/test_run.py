@@ -278,7 +278,9 @@ def test_a_summarisation_row_without_the_templates_field_is_named(tmp_path, data
         run(make_config(tmp_path / "data", tmp_path / "results", task="xsum"), tmp_path)
 
 
-@pytest.mark.parametrize("content", ['{"model": "tiny-llama", "metr', '{"foo": 1}'])
+@pytest.mark.parametrize(
+    "content", ['{"model": "tiny-llama", "metr', pytest.param('{"foo": 1}', marks=pytest.mark.slow)]
+)
 def test_an_unreadable_record_is_set_aside_named_and_rerun(tmp_path, data_dir, capsys, content):
     config = make_config(data_dir, tmp_path / "results", model="tiny-llama", task="copa", limit=2)
     path = results.record_path(tmp_path / "results", validate(config).config)
@@ -399,6 +401,7 @@ def test_hub_data_in_a_local_cache_is_accepted_offline(tmp_path, monkeypatch, ca
     hub.check_dataset("copa", "aps/super_glue")
 
 
+@pytest.mark.slow
 def test_summarisation_progress_counts_documents(tmp_path, data_dir, capsys):
     config = make_config(
         data_dir, tmp_path, model="tiny-llama", task="xsum", limit=3, batch_size=2, **{"generation.max_new_tokens": 2}

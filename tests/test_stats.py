@@ -206,6 +206,7 @@ def exact_false_positive_rate(n: int, discordant: float) -> float:
     return rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [20, 50, 100])
 def test_the_primary_tests_false_positive_rate_is_at_most_about_6_percent(n):
     """4,000 seeded draws per setting: a standard error of 0.35 points at 5 %, so a test whose true rate were 6.5 %

@@ -36,6 +36,7 @@ def records(results_dir):
     return [(r["task"], r["policy"], r["budget"]) for r in found]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "launcher",
     [("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"), ("hydra/launcher=submitit_local",)],
@@ -52,6 +53,7 @@ def test_a_sweep_through_a_launcher_writes_each_record_once(tmp_path, data_dir, 
     assert threads == {max(1, cores // 2) if launcher[0].endswith("joblib") else cores}  # the cores a job may use
 
 
+@pytest.mark.slow
 def test_a_ray_sweep_writes_the_records_of_the_basic_launcher(tmp_path, data_dir):
     """Reference: the basic launcher (jobs in turn, in the sweep's process); implementation: hydra/launcher=ray
     on a local Ray instance that the sweep starts (two workers) and that ends with it."""
@@ -83,6 +85,7 @@ def test_a_ray_sweep_writes_the_records_of_the_basic_launcher(tmp_path, data_dir
         assert record["threads"]["threads"] == 1  # Ray's task default: one CPU per job
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_mid_run_resumes_with_only_what_is_missing(tmp_path, data_dir):
     args = (*SWEEP, f"data_dir={data_dir}", "results_dir=out")
     process = sweep(*args, cwd=tmp_path, wait=False)
@@ -102,6 +105,7 @@ def test_a_sweep_killed_mid_run_resumes_with_only_what_is_missing(tmp_path, data
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_failing_job_is_recorded_the_others_run_and_a_fixed_rerun_removes_its_failure(tmp_path, data_dir):
     local = tmp_path / "data"
     local.mkdir()

@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from h2o_eval import threads
 
 
+@pytest.mark.slow
 def test_threads_reach_torch_and_numba_in_a_run(tmp_path, data_dir):
     """A CLI run in its own process with ``threads=2`` (numba may use up to 4): the record holds what torch and
     numba report after the setting, where torch would otherwise follow OMP_NUM_THREADS=1."""
