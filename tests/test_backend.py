@@ -481,7 +481,7 @@ def test_fraction_budget_without_a_length_is_refused_token_by_token(models):
         model(tokens(1, 1), cache=cache, use_cache=True)
 
 
-@pytest.mark.parametrize("kernels", fast_sample(["torch", "auto", "triton"], lambda kernels: kernels != "triton"))
+@pytest.mark.parametrize("kernels", fast_sample(["torch", "auto", "triton"], lambda kernels: kernels == "torch"))
 def test_no_tensor_of_the_mechanism_is_made_on_a_fixed_device(kernels):
     """Every registered policy in every protocol, prompt and decode steps, with torch's default device set to
     ``meta``: a tensor built without the device of its inputs lands there and the run fails (a CUDA run would

@@ -24,7 +24,7 @@ POLICIES += [("streaming", 0.3), ("local", 0.25)]
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", pytest.param("tiny-gemma3", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("protocol", ["prefill", "context"])
+@pytest.mark.parametrize("protocol", [pytest.param("prefill", marks=pytest.mark.slow), "context"])
 def test_a_shared_prompt_leaves_each_cache_as_feeding_it_alone(name, protocol):
     """Reference: each policy's EvictionCache fed the (left-padded) prompt alone; implementation: one pass of
     the prompt through a SharedPrompt of all of them. Every layer's held slots are the same, and their positions,
@@ -154,7 +154,8 @@ def test_shared_cells_answer_as_separate_runs(data_dir, tmp_path):
     assert len(answers) > 2, "the policies should answer differently here, or the test proves little"
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", pytest.param("tiny-gemma3", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, name):
     """Reference: each cell evaluated alone; implementation: evaluate_shared with ``stack_cells``, where every cell
     but the oracle's answers each group of questions in one batch from its own stacked compressed cache, with a
@@ -361,6 +362,7 @@ def test_only_one_prompt_under_one_scoring_shares_extra_passes():
         fed(make_policy("kvzip", 0.25), ids[:, :30]).adopt_rehearsal(first)
 
 
+@pytest.mark.slow
 def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch, capsys):
     """A sweep through the grid: shareable cells run together, a simulate cell alone, SnapKV's simulate cell is
     refused in one line; each record sits where ``python -m h2o_eval`` looks for it (a run of the same cell

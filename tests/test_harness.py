@@ -153,6 +153,7 @@ def test_context_protocol_finds_where_the_demonstrations_end(tmp_path, data_dir,
             assert delimiter not in prompt[start:]
 
 
+@pytest.mark.slow
 def test_context_protocol_budgets_the_demonstrations_only(tmp_path, data_dir):
     """PIQA 2-shot on a tiny model: under ``context`` the budget applies to the demonstrations (shorter than the
     prompt the ``prefill`` protocol compresses), and the scores differ from prefill's."""

@@ -386,7 +386,8 @@ def test_split_slots_aims_at_programs_per_sm_in_whole_tiles():
     assert split_slots(2, 130, 16, cpu) == (9, 16)  # 9 tiles, one split each
 
 
-@pytest.mark.parametrize("name", ["h2o", pytest.param("tova", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["h2o", "tova"])
 def test_eviction_cache_decodes_the_same_with_the_triton_kernel(name):
     """Reference: EvictionCache with kernels=torch; implementation: kernels=triton (the decode kernel in every
     evicting step), fed token by token with dozens of evictions."""
@@ -427,7 +428,8 @@ def test_simulate_equals_token_by_token_with_triton_kernels(name):
     assert (simulated - plain).abs().max() > 1e-2, "eviction changed nothing: the test proves nothing"
 
 
-@pytest.mark.parametrize("name", ["h2o", pytest.param("tova", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["h2o", "tova"])
 def test_prefill_protocol_with_triton_kernels_equals_the_torch_reference(name):
     """Reference: patch(prefill, kernels=torch), the plain loop; implementation: patch(prefill, kernels=triton):
     the 24-token context's scores from the column-score kernel, the 12-token continuation through the scan

@@ -242,6 +242,7 @@ def test_identity_follows_the_data_content_not_its_folder(tmp_path, data_dir, no
     assert results.record_path(tmp_path, make_config(None, tmp_path)) not in path.values()
 
 
+@pytest.mark.slow
 def test_same_command_on_changed_data_is_recomputed_under_a_new_identity(tmp_path, data_dir, capsys):
     file = copy_task_data(data_dir, tmp_path / "data")
     config = make_config(tmp_path / "data", tmp_path / "results", model="tiny-llama", task="copa", limit=3)

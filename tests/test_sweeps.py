@@ -127,6 +127,7 @@ def test_a_failing_job_is_recorded_the_others_run_and_a_fixed_rerun_removes_its_
     assert not failure.exists()
 
 
+@pytest.mark.slow
 def test_an_invalid_job_of_a_sweep_is_a_failed_line_and_a_record_without_a_traceback(tmp_path, data_dir):
     """budget=1.5 builds no policy, so no record name: the job is still recorded under failed/ (with its
     traceback), named from its settings as given, and the sweep still ends with its summary."""
