@@ -188,7 +188,7 @@ def bad_copa(tmp_path, content: str) -> str:
                 "task copa takes no include_path: its settings are lm_eval_yaml, metric, name, runner",
             ),
         ],
-        lambda case: any(key in case[1] for key in ("not a JSON line", "takes no lenght")),
+        lambda case: "takes no lenght" in case[1],
     ),
     ids=[
         "model-offline",

@@ -405,9 +405,8 @@ def test_eviction_cache_decodes_the_same_with_the_triton_kernel(name):
     assert (logits["torch"] - logits["triton"]).abs().max() <= 1e-4
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(name, marks=pytest.mark.slow) for name in ("h2o", "tova")] + ["streaming"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming"])
 def test_simulate_equals_token_by_token_with_triton_kernels(name):
     """Reference: EvictionCache fed one token at a time with kernels=triton (the decode kernel); implementation:
     patch(simulate, kernels=triton), one forward (the scan kernel in every layer). Two sequences of 20 tokens at

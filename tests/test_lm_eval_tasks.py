@@ -131,6 +131,7 @@ def test_a_task_outside_conf_scores_like_lm_eval_with_the_full_cache(tasks, reco
     assert records[("gen_task", "full")]["protocol"] == "prefill"  # generate_until: the deployment protocol
 
 
+@pytest.mark.slow
 def test_h2o_at_a_small_budget_scores_differently(records):
     mc, gen = records[("mc_task", "h2o")], records[("gen_task", "h2o")]
     assert mc["metrics"]["brier_score"] != records[("mc_task", "full")]["metrics"]["brier_score"]

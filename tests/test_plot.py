@@ -120,6 +120,7 @@ def test_cli_refuses_a_missing_results_dir(tmp_path):
         plot.main([str(tmp_path / "nowhere")])
 
 
+@pytest.mark.slow
 def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     import nbformat
     from nbclient import NotebookClient
