@@ -230,6 +230,7 @@ CAPACITY_FIELDS = {
 ROW_FIELDS = {"id", "scores", "prompt_tokens", "generated_tokens", "capacity", "budget_tokens", "kv_entries"}
 
 
+@pytest.mark.slow
 def test_every_runner_that_generates_records_the_same_generation_and_capacity_fields(records, tmp_path, data_dir):
     """lm-eval's generate_until (through EvictionLM), summarisation and a long-context task, each with h2o on the
     tiny Llama: the record's ``generation`` and ``capacity`` hold the same keys (a runner may add its own), every

@@ -1,0 +1,91 @@
+"""The benchmarks measure what they say they measure, on a tiny model and the shared data: the full cache of
+``decode_speed`` and ``stacked_decode`` generates plain ``generate``'s tokens, eviction holds fewer bytes, and
+``same_numbers`` reports any number that moved. Every benchmark's command line parses."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import pytest
+import torch
+from conftest import REPO
+
+from h2o_eval.benchmarks import decode_speed, same_numbers, stacked_decode
+from h2o_eval.models import load_model
+
+BENCHMARKS = sorted(path.stem for path in (REPO / "h2o_eval" / "benchmarks").glob("*.py") if path.stem != "__init__")
+NEW_TOKENS, QUESTION = 6, 8
+
+
+@pytest.fixture(scope="module")
+def tiny(data_dir):
+    """tiny-llama and two 72-token windows of XSUM, as ``decode_speed`` and ``stacked_decode`` both take them."""
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    return model, decode_speed.prompts(tokenizer, data_dir, 2, 64 + QUESTION)
+
+
+def generated(model, setting, ids):
+    return decode_speed.run(model, setting, ids, NEW_TOKENS, 0.25, QUESTION)
+
+
+def test_decode_speed_full_cache_generates_plain_generate_tokens_and_h2o_holds_a_quarter(tiny):
+    model, ids = tiny
+    _, _, plain, plain_bytes = generated(model, "plain", ids)
+    _, _, full, full_bytes = generated(model, "full", ids)
+    _, _, h2o, h2o_bytes = generated(model, "h2o:context", ids)
+    assert plain.shape == (2, NEW_TOKENS) and torch.equal(full, plain)
+    assert full_bytes == plain_bytes
+    assert h2o_bytes <= 0.3 * plain_bytes
+    assert not torch.equal(h2o, plain), "eviction changed no token: the comparison proves little"
+
+
+def test_stacked_decode_full_cell_generates_plain_generate_tokens(tiny, data_dir, tmp_path, monkeypatch):
+    """The stack's first cell is the full cache: its rows are what plain ``generate`` makes of the same prompts."""
+    model, ids = tiny
+    monkeypatch.setattr("h2o_eval.threads.apply", lambda threads: None)  # keep this process's threads
+    ids_file = tmp_path / "ids.json"
+    argv = ["--data-dir", str(data_dir), "--model", "tiny-llama", "--length", "64", "--rows", "2"]
+    argv += ["--question", str(QUESTION), "--new-tokens", str(NEW_TOKENS), "--ids", str(ids_file)]
+    monkeypatch.setattr(sys, "argv", ["stacked_decode", *argv])
+    stacked_decode.main()
+    rows = json.loads(ids_file.read_text())
+    assert len(rows) == 2 * (1 + 2 * 4)  # full, then snapkv and streaming at kvpress's four ratios
+    assert rows[:2] == generated(model, "plain", ids)[2].tolist()
+
+
+def write_set(folder, metric=0.5, output="a", extra=None):
+    """A folder as ``same_numbers run`` leaves it: one setting's record and its outputs (with a timing)."""
+    setting = folder / next(iter(same_numbers.SETTINGS))
+    setting.mkdir(parents=True)
+    rows = [{"doc_id": 0, "output": output, "seconds": metric * 7}]
+    (setting / "r.outputs.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    record = {"metrics": {"acc": metric}, "capacity": {"kept": 0.2}, "outputs": "r.outputs.jsonl", "policy": "h2o"}
+    (setting / "copa__h2o__1234abcd.json").write_text(json.dumps({**record, "budget": 0.2}))
+    if extra:
+        (setting / "copa__full__99999999.json").write_text(json.dumps({**record, "policy": "full", "budget": 1}))
+
+
+@pytest.mark.parametrize(
+    ("after", "same", "differs"),
+    [
+        ({}, True, "| nothing |"),
+        ({"metric": 0.75}, False, "| metrics |"),  # its timing moved too, and is not compared
+        ({"output": "b"}, False, "| outputs |"),
+        ({"extra": True}, False, "| only after |"),
+    ],
+)
+def test_same_numbers_reports_every_record_that_moved(tmp_path, capsys, after, same, differs):
+    write_set(tmp_path / "before")
+    write_set(tmp_path / "after", **after)
+    assert same_numbers.compare(tmp_path / "before", tmp_path / "after") is same
+    assert differs in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_every_benchmark_command_line_parses(name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [name, "--help"])
+    with pytest.raises(SystemExit) as exit:
+        importlib.import_module(f"h2o_eval.benchmarks.{name}").main()
+    assert exit.value.code == 0 and capsys.readouterr().out.startswith("usage:")
