@@ -23,8 +23,8 @@
 #                 a distractor and three do not fit, so it asks one, as RULER does.
 #                 Units of a task and 3 policies; two lanes split them: LANE=0/2 ... leaderboard & LANE=1/2 ...
 #                 (the lanes of one machine take cwe, fwe and qa_2's units one at a time: SmolLM2's peak at 13 GB)
-#   leaderboard_1q +experiment=kv_leaderboard (one question per context): SmolLM2 on niah_single_2 and qa_1,
-#                 12 policies x 4 ratios, ONE_LIMIT documents (default 40); LANE=i/n splits its 4 units
+#   leaderboard_1q +experiment=kv_leaderboard (one question per context): SmolLM2 on ONE_TASKS (niah_single_2 and
+#                 qa_1), 12 policies x 4 ratios, ONE_LIMIT documents (default 40); LANE=i/n splits its units
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -94,10 +94,10 @@ leaderboard() {
 }
 leaderboard_1q() {
     # kvpress's protocol (+experiment=kv_leaderboard, one question per context) beside the shared-context one:
-    # SmolLM2 on niah_single_2 and qa_1, ONE_LIMIT documents (default 40). A unit is a task and 6 policies; LANE=i/n
-    # runs every n-th unit from the i-th. One document a batch: a unit of 21-24 cells peaks near 6 GB.
+    # SmolLM2 on ONE_TASKS (default niah_single_2 qa_1), ONE_LIMIT documents (default 40). A unit is a task and 6
+    # policies; LANE=i/n runs every n-th unit from the i-th. One document a batch: a unit of 21-24 cells peaks near 6 GB.
     local lane=${LANE:-0/1} unit=0 task group
-    for task in niah_single_2 qa_1; do
+    for task in ${ONE_TASKS:-niah_single_2 qa_1}; do
         for group in full,oracle,kvzip,snapkv,streaming,knorm expected_attention,keydiff,h2o,criticalkv,random,tova; do
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
             grid +experiment=kv_leaderboard model=smollm2-135m task="$task" limit="${ONE_LIMIT:-40}" batch_size=1 \
