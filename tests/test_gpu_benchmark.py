@@ -129,3 +129,21 @@ def test_a_setting_out_of_gpu_memory_is_a_row_that_says_so_and_the_rest_still_ru
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 24 ")]
     assert [line.split("|")[3].strip() for line in table] == ["plain", "full", "h2o"]
     assert "out of GPU memory" in table[1] and table[2].split("|")[4].strip() == "2.000"
+
+
+def test_a_setting_that_fails_is_a_row_naming_the_error_its_traceback_on_stderr_and_the_rest_still_run(
+    monkeypatch, capsys
+):
+    def broken(model, tokenizer, setting, policy, ids, new_tokens, device):
+        if setting == "h2o":
+            raise RuntimeError("triton compile error\nsecond line")
+        return fake_measure(model, tokenizer, setting, policy, ids, new_tokens, device)
+
+    monkeypatch.setattr(gpu, "measure", broken)
+    gpu.main([*CPU, "--lengths", "24", "--policies", "h2o", "snapkv"])
+    captured = capsys.readouterr()
+    table = [line for line in captured.out.splitlines() if line.startswith("| 24 ")]
+    assert [line.split("|")[3].strip() for line in table] == ["plain", "full", "h2o", "snapkv"]
+    assert table[2].split("|")[4].strip() == "failed: RuntimeError: triton compile error"
+    assert table[3].split("|")[4].strip() == "2.000"
+    assert "Traceback" in captured.err and "second line" in captured.err

@@ -22,7 +22,8 @@ its own prompt (two new tokens), then:
 
 Times are CUDA events read after one synchronisation, so they include any wait of the GPU on the host. Prints one
 Markdown table under a line naming the device; ``--out`` writes it too, rewritten after every row, so that a run
-cut short keeps what it measured. A setting that runs out of GPU memory is a row that says so. Needs a CUDA device.
+cut short keeps what it measured. A setting that runs out of GPU memory, or fails, is a row that says so (a failure's
+traceback goes to stderr) and the other settings still run. Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import gc
 import sys
 import time
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,6 +195,9 @@ def benchmark(
                     row = measure(model, tokenizer, setting, policy, ids, new_tokens, device)
                 except torch.cuda.OutOfMemoryError:  # the row says so; the traceback's tensors go with the block
                     row = Row(length, batch, setting, note="out of GPU memory")
+                except Exception as error:  # one broken setting costs its row, not the other settings' rows
+                    traceback.print_exc()
+                    row = Row(length, batch, setting, note=f"failed: {type(error).__name__}: {error}".splitlines()[0])
                 yield row
 
 
