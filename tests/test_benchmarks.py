@@ -89,3 +89,44 @@ def test_every_benchmark_command_line_parses(name, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit:
         importlib.import_module(f"h2o_eval.benchmarks.{name}").main()
     assert exit.value.code == 0 and capsys.readouterr().out.startswith("usage:")
+
+
+def test_gpu_check_finds_the_kernels_equal_on_the_cpu_and_fails_on_a_difference(monkeypatch, capsys):
+    """Reference: the check's own claim (kernels=triton generates what kernels=torch does, and the full cache what
+    plain generate does), which the interpreted kernels meet; then a triton run that generates other tokens must
+    be a DIFF line and exit status 1."""
+    from h2o_eval import generation
+    from h2o_eval.benchmarks import gpu_check
+
+    options = ["--device", "cpu", "--models", "tiny-llama3", "--dtypes", "float32", "--policies", "full", "h2o"]
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(options)
+    out = capsys.readouterr().out.splitlines()
+    assert done.value.code == 0
+    assert [line.split(":")[0] for line in out[:-1]] == [
+        f"ok   tiny-llama3 float32 {protocol} {name}" for protocol in ("prefill", "context") for name in ("full", "h2o")
+    ]
+    assert "tokens equal plain generate's True" in out[0]
+    real = generation.generate
+
+    def other_tokens(*args, kernels, **kwargs):
+        tokens, cache = real(*args, kernels=kernels, **kwargs)
+        return (tokens + 1 if kernels == "triton" else tokens), cache
+
+    monkeypatch.setattr(generation, "generate", other_tokens)
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main([*options[:-2], "h2o"])
+    out = capsys.readouterr().out.splitlines()
+    assert done.value.code == 1
+    assert out[0].startswith("DIFF tiny-llama3 float32 prefill h2o: tokens equal False, held equal True")
+    assert out[-1] == "gpu_check: 2 float32 case(s) differ between kernels=torch and kernels=triton"
+
+
+def test_gpu_check_refuses_an_unknown_policy_in_one_line(capsys):
+    from h2o_eval.benchmarks import gpu_check
+
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(["--device", "cpu", "--models", "tiny-llama3", "--dtypes", "float32", "--policies", "nope"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "h2o" in err and len(err.strip().splitlines()) == 1
