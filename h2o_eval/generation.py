@@ -190,12 +190,22 @@ def complete(
         return generate(ids, mask, **kwargs)
     prompt = ids.shape[1] - batch.generated
     if not batch.generated:  # the prompt's forward, held whole, gives the first token
-        ids = generate(ids, mask, **kwargs | {"max_new_tokens": 1})
+        ids = generate(ids, mask, **_part(kwargs, 0, 1))
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], ids.shape[1] - prompt)], dim=-1)
     rows = [[] for _ in range(ids.shape[0])]
     settle(model, cache, tokenizer, ids[:, :prompt], mask[:, :prompt], rows, answered=answered, **kwargs)
-    rest = (kwargs.get("max_new_tokens") or 1) - (ids.shape[1] - prompt)
-    return ids if rest <= 0 else generate(ids, mask, **kwargs | {"max_new_tokens": rest})
+    done = ids.shape[1] - prompt
+    rest = (kwargs.get("max_new_tokens") or 1) - done
+    return ids if rest <= 0 else generate(ids, mask, **_part(kwargs, done, rest))
+
+
+def _part(kwargs: dict[str, Any], done: int, steps: int) -> dict[str, Any]:
+    """The settings of ``steps`` more tokens after ``done``: ``max_new_tokens`` is ``steps``, and a
+    ``min_new_tokens`` counts what is left of it, so that ``generate`` is never asked for more than it may give."""
+    part = kwargs | {"max_new_tokens": steps}
+    if kwargs.get("min_new_tokens"):
+        part["min_new_tokens"] = max(0, min(kwargs["min_new_tokens"] - done, steps))
+    return part
 
 
 def generate(

@@ -358,3 +358,22 @@ def test_compress_leaves_a_policy_without_passes_as_it_compressed_itself(tiny):
     held = [layer.held.clone() for layer in cache.layers]
     cache.compress(model, tokenizer, context)
     assert all(torch.equal(before, layer.held) for before, layer in zip(held, cache.layers, strict=True))
+
+
+def test_min_new_tokens_in_the_prefill_protocol_gives_that_many_tokens_without_a_length_warning(tiny):
+    """KVzip's prefill generates the first token from the prompt's forward, then the rest: each part is asked
+    for what is left of ``min_new_tokens``, never more than its ``max_new_tokens`` (transformers warns that such
+    a request is unfeasible), and the sequences still hold ``min_new_tokens`` new tokens."""
+    import warnings
+
+    model, tokenizer = tiny
+    ids = torch.randint(1000, 40000, (2, 40), generator=torch.Generator().manual_seed(0))
+    settings = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sequences, _ = generate(
+            model, make_policy("kvzip", budget=16), Batch(ids, torch.ones_like(ids)), tokenizer, protocol="prefill",
+            kernels="torch", **settings,
+        )  # fmt: skip
+    assert sequences.shape == (2, 46)
+    assert not [w for w in caught if "length" in str(w.message).lower()], [str(w.message) for w in caught]
