@@ -46,6 +46,18 @@ def score_gap(first: Any, second: Any) -> float:
     return gap
 
 
+def greedy(tokenizer: Any) -> dict[str, Any]:
+    """The generation settings of every run: :data:`NEW_TOKENS` greedy tokens."""
+    return {
+        "max_new_tokens": NEW_TOKENS,
+        "do_sample": False,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def compare(
     model: Any, tokenizer: Any, name: str, protocol: str, ids: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
@@ -54,14 +66,7 @@ def compare(
     from h2o_eval.generation import Batch, generate
     from h2o_eval.policies import make_policy
 
-    settings = {
-        "max_new_tokens": NEW_TOKENS,
-        "do_sample": False,
-        "temperature": None,
-        "top_p": None,
-        "top_k": None,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+    settings = greedy(tokenizer)
     runs = {}
     for kernels in ("torch", "triton"):
         batch = Batch(ids, mask, context_width=CONTEXT if protocol == "context" else None)
@@ -92,14 +97,11 @@ def check(models: Sequence[str], dtypes: Sequence[str], device: str, policies: S
             mask[0, :5] = 0
             with torch.no_grad():
                 model.set_attn_implementation("sdpa")
-                plain = model.generate(
-                    input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                    temperature=None, top_p=None, top_k=None, pad_token_id=tokenizer.pad_token_id,
-                )  # fmt: skip
+                plain = model.generate(input_ids=ids, attention_mask=mask, **greedy(tokenizer))
+            strict = dtype == "float32"
             for protocol in ("prefill", "context"):
                 for name in names:
                     case = f"{model_name} {dtype} {protocol} {name}"
-                    strict = dtype == "float32"
                     try:
                         tokens, tokens_triton, same_held, gap = compare(model, tokenizer, name, protocol, ids, mask)
                     except Exception as error:  # a case that cannot run is a failure line; the others still run
