@@ -78,6 +78,20 @@ def decode(model: Any, cache: EvictionCache, input_ids: torch.Tensor, attention_
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
 
 
+def greedy(max_new_tokens: int, pad_token_id: int | None, **extra: Any) -> dict[str, Any]:
+    """``generate``'s settings for ``max_new_tokens`` greedy tokens (and ``extra``): the model's sampling defaults
+    (temperature, top-p, top-k) unset, so that transformers does not warn that greedy decoding ignores them."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": False,
+        "temperature": None,
+        "top_p": None,
+        "top_k": None,
+        "pad_token_id": pad_token_id,
+        **extra,
+    }
+
+
 def answers(model: Any, ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, **kwargs: Any) -> list[list[int]]:
     """The full cache's answers to left-padded prompts (each row's generated tokens, :func:`new_tokens`)."""
     full = EvictionCache(model, Full(), protocol="prefill")

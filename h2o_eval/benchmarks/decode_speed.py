@@ -79,23 +79,19 @@ def run(model, setting: str, ids: torch.Tensor, new_tokens: int, budget: float, 
     """One generation: (prompt-pass CPU seconds, decode CPU seconds, generated ids [B, new_tokens], KV bytes held
     at the end)."""
     from h2o_eval.cache import EvictionCache
-    from h2o_eval.generation import feed
+    from h2o_eval.generation import feed, greedy
     from h2o_eval.policies import make_policy
 
     name, _, protocol = setting.partition(":")
     mask = torch.ones_like(ids)
     clock = Clock()
-    kwargs = {
-        "max_new_tokens": new_tokens,
-        "min_new_tokens": new_tokens,
-        "do_sample": False,
-        "temperature": None,
-        "top_p": None,
-        "top_k": None,
-        "logits_processor": LogitsProcessorList([clock]),
-        "pad_token_id": model.generation_config.eos_token_id,
-        "return_dict_in_generate": True,
-    }
+    kwargs = greedy(
+        new_tokens,
+        model.generation_config.eos_token_id,
+        min_new_tokens=new_tokens,
+        logits_processor=LogitsProcessorList([clock]),
+        return_dict_in_generate=True,
+    )
     start = time.process_time()
     if name == "plain":
         model.set_attn_implementation("sdpa")

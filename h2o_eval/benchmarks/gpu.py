@@ -112,18 +112,11 @@ def generation(
     through an EvictionCache in the prefill protocol); returns the cache it ends with."""
     from transformers import LogitsProcessorList
 
-    from h2o_eval.generation import Batch, generate
+    from h2o_eval.generation import Batch, generate, greedy
 
-    kwargs = {
-        "max_new_tokens": new_tokens,
-        "min_new_tokens": new_tokens,
-        "do_sample": False,
-        "temperature": None,
-        "top_p": None,
-        "top_k": None,
-        "logits_processor": LogitsProcessorList([first]),
-        "pad_token_id": tokenizer.pad_token_id,
-    }
+    kwargs = greedy(
+        new_tokens, tokenizer.pad_token_id, min_new_tokens=new_tokens, logits_processor=LogitsProcessorList([first])
+    )
     mask = torch.ones_like(ids)
     with torch.no_grad():
         if setting == "plain":

@@ -46,27 +46,15 @@ def score_gap(first: Any, second: Any) -> float:
     return gap
 
 
-def greedy(tokenizer: Any) -> dict[str, Any]:
-    """The generation settings of every run: :data:`NEW_TOKENS` greedy tokens."""
-    return {
-        "max_new_tokens": NEW_TOKENS,
-        "do_sample": False,
-        "temperature": None,
-        "top_p": None,
-        "top_k": None,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-
-
 def compare(
     model: Any, tokenizer: Any, name: str, protocol: str, ids: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
     """One policy under both kernel settings: (its tokens with torch, with triton, whether every layer holds the
     same positions, the largest score difference)."""
-    from h2o_eval.generation import Batch, generate
+    from h2o_eval.generation import Batch, generate, greedy
     from h2o_eval.policies import make_policy
 
-    settings = greedy(tokenizer)
+    settings = greedy(NEW_TOKENS, tokenizer.pad_token_id)
     runs = {}
     for kernels in ("torch", "triton"):
         batch = Batch(ids, mask, context_width=CONTEXT if protocol == "context" else None)
@@ -83,6 +71,7 @@ def compare(
 
 def check(models: Sequence[str], dtypes: Sequence[str], device: str, policies: Sequence[str] | None = None) -> int:
     """Print one line per case; returns the number of float32 failures."""
+    from h2o_eval.generation import greedy
     from h2o_eval.models import load_model
     from h2o_eval.policies import POLICIES, make_policy
 
@@ -97,7 +86,8 @@ def check(models: Sequence[str], dtypes: Sequence[str], device: str, policies: S
             mask[0, :5] = 0
             with torch.no_grad():
                 model.set_attn_implementation("sdpa")
-                plain = model.generate(input_ids=ids, attention_mask=mask, **greedy(tokenizer))
+                settings = greedy(NEW_TOKENS, tokenizer.pad_token_id)
+                plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
             strict = dtype == "float32"
             for protocol in ("prefill", "context"):
                 for name in names:

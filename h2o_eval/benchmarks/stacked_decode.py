@@ -46,7 +46,7 @@ def main() -> None:
 
     apply(args.threads)
     from h2o_eval.cache import EvictionCache
-    from h2o_eval.generation import decode, feed
+    from h2o_eval.generation import decode, feed, greedy
     from h2o_eval.groups import SharedPrompt
     from h2o_eval.models import load_model
     from h2o_eval.policies import make_policy
@@ -68,11 +68,13 @@ def main() -> None:
     stacked = EvictionCache.stack(caches)
     repeated = ids.repeat(len(caches), 1)
     started = time.process_time()
-    out = decode(
-        model, stacked, repeated, torch.ones_like(repeated), max_new_tokens=args.new_tokens,
-        min_new_tokens=args.new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-        logits_processor=LogitsProcessorList([clock]), pad_token_id=model.generation_config.eos_token_id,
-    )  # fmt: skip
+    settings = greedy(
+        args.new_tokens,
+        model.generation_config.eos_token_id,
+        min_new_tokens=args.new_tokens,
+        logits_processor=LogitsProcessorList([clock]),
+    )
+    out = decode(model, stacked, repeated, torch.ones_like(repeated), **settings)
     seconds = time.process_time() - clock.first
     generated = out[:, ids.shape[1] :]
     speed = generated.shape[0] * (args.new_tokens - 1) / seconds

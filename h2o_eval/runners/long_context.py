@@ -94,17 +94,6 @@ def score(task: Mapping[str, Any], prediction: str, references: Sequence[str]) -
     return METRICS[task["metric"]](CONTROL.sub("", prediction).strip(), references)
 
 
-def _greedy(task: Mapping[str, Any], tokenizer: Any) -> dict[str, Any]:
-    return {
-        "max_new_tokens": task["max_new_tokens"],
-        "do_sample": False,
-        "temperature": None,
-        "top_p": None,
-        "top_k": None,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-
-
 def _row(task, prompt: Prompt, k: int, generated: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
     """One question's output: ids (``id`` unique per question, ``document`` shared by a document's questions),
     where its needles were, the references, the answer and its score, and the generation's own fields."""
@@ -224,7 +213,7 @@ class _Run:
         self.model, self.tokenizer, self.cells, self.items = model, tokenizer, cells, items
         self.config = cells[0][1]
         self.task = self.config["task"]
-        self.greedy = _greedy(self.task, tokenizer)
+        self.greedy = generation.greedy(self.task["max_new_tokens"], tokenizer.pad_token_id)
         self.ends = generation.end_tokens(tokenizer)
         self.logs = [generation.GenerationLog(max_new_tokens=self.task["max_new_tokens"]) for _ in cells]
         self.outputs: list[list[dict[str, Any]]] = [[] for _ in cells]
