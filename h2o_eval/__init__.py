@@ -10,6 +10,7 @@ from typing import Any
 _API = {
     "ConfigError": "h2o_eval.errors",
     "EvictionCache": "h2o_eval.cache",
+    "compress": "h2o_eval.generation",
     "patch": "h2o_eval.backend",
     "load_model": "h2o_eval.models",
     "make_policy": "h2o_eval.policies",

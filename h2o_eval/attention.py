@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
+from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
 from h2o_eval.errors import ConfigError
 
@@ -35,8 +35,21 @@ FAMILIES = "Llama (2, 3), Mistral, Qwen2, Qwen3, Phi-3, Gemma 3, OPT, GPT-NeoX, 
 def _mask(*args: Any, q_length: int, **kwargs: Any) -> torch.Tensor | None:
     """transformers' boolean SDPA mask. A chunk of several tokens without padding whose keys are its own (a prompt)
     gets none, as under plain SDPA: its causal mask would take T x T bytes (1 GiB at 32k tokens), and the backend
-    reads a missing mask as every token real and causal. A decode step's mask is always built, so that deciding
-    whether it could be skipped never reads the padding on the host."""
+    reads a missing mask as every token real and causal. A one-token causal step that is the last of its keys sees
+    every key that is not padding: its mask is the padding mask itself, a view that computes nothing (the general
+    path builds it from four index ranges, about ten operations per step), and it is always given, so that
+    deciding whether it could be skipped never reads the padding on the host."""
+    kv_length, kv_offset, q_offset = kwargs["kv_length"], kwargs.get("kv_offset", 0), kwargs.get("q_offset", 0)
+    if (
+        q_length == 1
+        and kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+        and kwargs.get("local_size") is None
+        and kv_offset == 0
+        and isinstance(q_offset, int)
+        and q_offset == kv_length - 1
+    ):
+        padding = prepare_padding_mask(kwargs.get("attention_mask"), kv_length, kv_offset)
+        return None if padding is None else padding[:, None, None, :kv_length]
     kwargs["allow_is_causal_skip"] = kwargs.get("allow_is_causal_skip", True) and q_length > 1
     return sdpa_mask(*args, q_length=q_length, **kwargs)
 

@@ -163,6 +163,26 @@ def settle(
     cache.compress_prompt()
 
 
+def compress(
+    model: Any,
+    cache: EvictionCache,
+    tokenizer: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    questions: list[list[int]] | None = None,
+    **generate_kwargs: Any,
+) -> None:
+    """Compress the prompt ``cache`` was fed (``input_ids``, left-padded as ``attention_mask`` says) by its policy's
+    extra passes: KVzip's repeat of the context, the oracle's question and full-cache answer. They run through
+    ``model`` now, their own keys and values are dropped, and each KV head keeps its C. Any other policy compressed
+    its prompt as it came: nothing happens. ``questions``: per sequence the question's token ids (the oracle's
+    passes need them; under ``protocol="context"`` they come after the compressed context); ``generate_kwargs``:
+    how the full-cache answer is generated (greedy by default)."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    asked = [[] for _ in range(input_ids.shape[0])] if questions is None else questions
+    settle(model, cache, tokenizer, input_ids, mask, asked, **({"do_sample": False} | generate_kwargs))
+
+
 def answer_key(prompt: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> tuple:
     """What identifies the full cache's answers to a batch of prompts (``prompt``/``mask``, the context and the
     question) generated with the settings ``kwargs``, in :func:`settle`'s ``answered``."""
@@ -231,11 +251,12 @@ def generate(
     protocol: str,
     kernels: str,
     decoding: str = "evict",
+    graphs: bool = True,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, EvictionCache]:
     """Generate for a batch through a fresh :class:`EvictionCache` (:func:`complete`). Returns the sequences
     (prompt + new tokens) and the cache."""
-    cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels, decoding=decoding)
+    cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels, decoding=decoding, graphs=graphs)
     return complete(model, cache, batch, tokenizer, **kwargs), cache
 
 

@@ -1,26 +1,25 @@
 """Several :class:`~h2o_eval.cache.EvictionCache` s fed as one: :class:`SharedPrompt` feeds one prompt to the caches
-of several policies, its attention computed once; :meth:`~h2o_eval.cache.EvictionCache.stack` answers one question
-batch from several compressed caches (:class:`StackedLayer`)."""
+of several policies, its attention computed once; :class:`StackedCache` answers one question batch from several
+compressed caches (:meth:`~h2o_eval.cache.EvictionCache.stack`).
+
+Both take the caches' layers as they are and call their ``update`` and ``attend``: nothing here knows more of a
+cache than its layers."""
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_eval.attention import plain_attention
 from h2o_eval.errors import ConfigError
-
-if TYPE_CHECKING:
-    from h2o_eval.cache import EvictionCache
-    from h2o_eval.layer import EvictionLayer
+from h2o_eval.layer import EvictionLayer
 
 
 class LayersOfCaches(CacheLayerMixin):
-    """One layer of several :class:`EvictionCache` s fed as one: ``layers``, one per cache, all having seen the
-    same tokens."""
+    """One layer of several caches fed as one: ``layers``, one per cache, all having seen the same tokens."""
 
     is_sliding = False
     is_croppable = False
@@ -47,8 +46,8 @@ class LayersOfCaches(CacheLayerMixin):
 
 
 class StackedLayer(LayersOfCaches):
-    """One layer of a stacked cache (:meth:`EvictionCache.stack`): each cache's rows of a chunk go to that
-    cache's layer, which takes them and attends as it would alone; the outputs are the rows in order."""
+    """One layer of a :class:`StackedCache`: each cache's rows of a chunk go to that cache's layer, which takes
+    them and attends as it would alone; the outputs are the rows in order."""
 
     def __init__(self, layers: list[EvictionLayer], rows: list[int]) -> None:
         super().__init__(layers)
@@ -71,6 +70,37 @@ class StackedLayer(LayersOfCaches):
         return torch.cat(outputs)
 
 
+class StackedCache(Cache):
+    """One cache whose sequences are those of ``views`` in order (compressed caches under ``decoding=grow``, as
+    :meth:`~h2o_eval.cache.EvictionCache.grown_view` s, all fed the same tokens), for feeding them the same tokens
+    in one batch. Each layer hands each cache's rows to that cache's layer, which attends to what it holds as it
+    would alone, over its own slots only; what is batched is the rest of the model. The caches the views were made
+    of are left as they were."""
+
+    deferred = False
+
+    def __init__(self, views: list[Any]) -> None:
+        if len({tuple(layer.seen for layer in view.layers) for view in views}) != 1:
+            raise ValueError("the caches have seen different tokens: only caches fed the same tokens are stacked")
+        rows = [len(view.lengths) for view in views]
+        super().__init__(
+            layers=[StackedLayer([view.layers[i] for view in views], rows) for i in range(len(views[0].layers))]
+        )
+        self.views = views
+        self.lengths = [length for view in views for length in view.lengths]
+
+    def eviction_layer(self, layer: int) -> StackedLayer:
+        return self.layers[layer]
+
+    def check_attended(self) -> None:
+        for layer in self.layers:
+            layer.check_attended()
+
+    def check_faults(self) -> None:
+        for view in self.views:
+            view.check_faults()
+
+
 class SharedPromptLayer(LayersOfCaches):
     """One layer of :class:`SharedPrompt`: the chunk goes to every cache's layer, attention is computed once."""
 
@@ -91,13 +121,13 @@ class SharedPromptLayer(LayersOfCaches):
 
 
 class SharedPrompt(Cache):
-    """Feeds one first chunk (a prompt, or a context) to several empty :class:`EvictionCache` s of one model at
-    once. In the ``prefill`` and ``context`` protocols that chunk attends in full whatever the policy, so its
-    attention is computed once (as the full cache computes it), while each cache scores and compresses it by its
-    own policy; the caches then go on alone. Decoding through a ``SharedPrompt`` is refused: the policies part
+    """Feeds one first chunk (a prompt, or a context) to several empty :class:`~h2o_eval.cache.EvictionCache` s of
+    one model at once. In the ``prefill`` and ``context`` protocols that chunk attends in full whatever the policy,
+    so its attention is computed once (as the full cache computes it), while each cache scores and compresses it by
+    its own policy; the caches then go on alone. Decoding through a ``SharedPrompt`` is refused: the policies part
     there."""
 
-    def __init__(self, caches: list[EvictionCache]) -> None:
+    def __init__(self, caches: list[Any]) -> None:
         if any(cache.protocol == "simulate" for cache in caches):
             raise ConfigError("simulate scores every row under eviction: its first chunk cannot be shared")
         super().__init__(

@@ -1,56 +1,180 @@
 """One layer of an :class:`~h2o_eval.cache.EvictionCache`: what it holds, and the named step each chunk takes.
 
-A layer holds keys/values [B, Hkv, S, D] in S slots, and per slot whether it is ``held``, the ``position`` of its
-token and its ``score``; a slot that is not held is free, and the next arriving token may take it. Each forward
-hands the layer a chunk of new tokens (``update``, then ``attend``), and the chunk takes one of these steps:
+A layer holds :class:`~h2o_eval.decode.Slots`: keys/values [B, Hkv, S, D] and per slot whether it is ``held``, the
+``position`` of its token and its ``score``. Each forward hands the layer a chunk of new tokens (``update``, then
+``attend``), and the chunk takes one of these steps:
 
-- ``chunk``: the mechanism (:func:`h2o_eval.eviction.attend_chunk`) over the held slots and the chunk: a prompt is
-  attended in full, scored and compressed; later rows arrive under the policy's decoding rule. A chunk that can
-  evict nothing is plain attention, and a deferred prompt (one scored by extra passes) is held whole.
-- ``claim``: one decode token per sequence into a bounded cache: it takes a free slot or its victim's, in place;
-  the attention and, for a rule that scores while decoding, the scores come from the decode kernel, else from
-  torch's fused attention over the held slots.
-- ``append``: one decode token per sequence into a cache that can no longer evict: it goes into a new last slot,
-  and attends through torch's fused attention.
+- ``chunk``: the mechanism (:attr:`~h2o_eval.implementation.Implementation.chunk`) over the held slots and the
+  chunk: a prompt is attended in full, scored and compressed; later rows arrive under the policy's decoding rule.
+  A chunk that can evict nothing is plain attention, and a deferred prompt (one scored by extra passes) is held
+  whole.
+- ``claim``: one decode token per sequence into a bounded cache: it takes a free slot or its victim's, in place
+  (:func:`~h2o_eval.decode.claim`); the attention and, for a rule that scores while decoding, the scores come from
+  the decode-attention kernel, else from torch's fused attention over the held slots.
+- ``append``: one decode token per sequence into a cache that can no longer evict: it goes into the next slot of
+  buffers that grow in buckets (:func:`~h2o_eval.decode.append`), and attends through torch's fused attention.
 - ``window``: a sliding layer of a model that also has global layers keeps its last ``window`` - 1 tokens, as
   transformers' own sliding cache does, and the policy does not touch it.
 - ``rehearse``: an extra pass over a deferred prompt (KVzip's repeat): it attends, scores the held slots, and its
   own keys and values are dropped again.
 
-A decode step (``claim``, ``append``) never reads a value on the host, so it never waits for the device: what it
-must know (how many slots to expose, whether every slot is held) is kept as host counts between chunks, and
-what it must refuse (a padding token after the prompt, an inconsistent plan) is noted on the device and raised
-when the cache is next read (:meth:`~h2o_eval.cache.EvictionCache.check_faults`).
+A decode step (``claim``, ``append``) never reads a value on the host, never allocates state and takes its shapes
+from the buffers, so it can be captured as a CUDA graph and replayed (:mod:`h2o_eval.graphs`): what it must know
+(how wide the buffers are) is settled on the host between chunks (:meth:`EvictionLayer.prepare_decode`), and what it
+must refuse (a padding token after the prompt, an inconsistent plan) is noted on the device and raised when the
+cache is next read (:meth:`EvictionLayer.faults`).
+
+A layer reads what its cache fixed once in a frozen :class:`LayerContext` (policy, rule, implementation, window,
+protocol) and shares with the cache's other layers one :class:`Sequences` (the sequences' lengths and positions);
+it knows nothing else of its cache.
 """
 
 from __future__ import annotations
 
-import copy
-import weakref
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_eval.attention import check_kv_heads, check_window, key_validity, plain_attention
-from h2o_eval.eviction import Chunk, attend_held, attend_slots, claim_slot, compress
-from h2o_eval.policies import UNBOUNDED, Policy
+from h2o_eval.compression import compress
+from h2o_eval.decode import Slots, append, attend, bounded, bucket, claim, widened
+from h2o_eval.errors import ConfigError
+from h2o_eval.eviction import Chunk
+from h2o_eval.implementation import Implementation
+from h2o_eval.policies import UNBOUNDED, Policy, Rule
 from h2o_eval.policies.base import DecodeVote
-from h2o_eval.policies.inputs import Prompt, Rehearsal
+from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
 
-if TYPE_CHECKING:
-    from h2o_eval.cache import EvictionCache
+AHEAD = 64  # decode positions whose position scores are made at once (Policy.position_scores)
 
-STATE = ("keys", "values", "held", "position", "scores")  # what a layer holds per slot
-GROWTH = 64  # a layer's buffers grow by 1/64 of its slots (at least MIN_GROWTH) when a decode step needs more: the
-# spare room is memory plain generate does not hold, and a copy of the layer every size / 64 steps costs little
-MIN_GROWTH = 64
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What every layer of one cache reads and nothing changes: the policy and the rule it decodes under (with
+    ``decoding=grow``, one that keeps every token after the prompt), the implementation of the mechanism, the
+    protocol, and the model's shape.
+
+    ``length``: what a fraction budget applies to (an int, one per sequence, or None: the first chunk's real
+    length); ``prompt``: per sequence, the real tokens of its first chunk that are its prompt (None: the whole
+    chunk); ``one_forward``: the cache serves one whole-sequence forward (``patch``); ``window``: the sliding window
+    that bounds every layer of a model whose layers all slide (None otherwise); ``rotary(layer, positions)``: the
+    model's rotary embedding (None without)."""
+
+    policy: Policy
+    rule: Rule
+    implementation: Implementation
+    protocol: str
+    num_layers: int
+    kv_heads: int
+    window: int | None = None
+    length: int | tuple[int, ...] | None = None
+    prompt: tuple[int, ...] | None = None
+    one_forward: bool = False
+    rotary: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def rows(self, rows: list[int]) -> LayerContext:
+        """This context for the sequences ``rows`` of its batch."""
+        length = self.length if self.length is None or isinstance(self.length, int) else self.length
+        if isinstance(length, tuple):
+            length = tuple(length[r] for r in rows)
+        prompt = None if self.prompt is None else tuple(self.prompt[r] for r in rows)
+        return dataclasses.replace(self, length=length, prompt=prompt)
+
+
+class Sequences:
+    """What the layers of one cache share about its sequences: the lengths budgets apply to (fixed on the first
+    chunk), the columns fed, the longest real length, and ``last`` [B, 1, 1], the position of each sequence's last
+    real token (on the device). The first layer a forward reaches advances them (:meth:`begin`); the other layers
+    read them. Also whether the prompt waits for its extra passes (``deferred``) and the extra pass being fed."""
+
+    def __init__(self, deferred: bool = False) -> None:
+        self.lengths: list[int] | None = None
+        self.columns = 0
+        self.longest = 0
+        self.last: torch.Tensor | None = None
+        self.starts: torch.Tensor | None = None  # [B, 1, 1] the last position before the current chunk
+        self.deferred = deferred
+        self.rehearsing: int | None = None
+        self.script: Script | None = None
+        self.real: torch.Tensor | None = None  # [B] bool: every decode token so far was real (no padding)
+        self._limits: dict[int, torch.Tensor] = {}
+        self._plans: dict[tuple, torch.Tensor] = {}
+
+    def begin(self, arriving: torch.Tensor, decode: bool) -> None:
+        """A forward's first layer: ``arriving`` [B, n] of its tokens are real. A decode token moves each position
+        one on without reading anything on the host; a chunk also counts its longest sequence."""
+        if self.last is None:
+            self.last = torch.full((arriving.shape[0], 1, 1), -1, dtype=torch.int64, device=arriving.device)
+        if decode:
+            self.last.add_(1)
+            if self.real is None:
+                self.real = arriving[:, -1].clone()
+            else:
+                self.real.logical_and_(arriving[:, -1])
+            self.advance()
+            return
+        self._limits = {}
+        self.columns += arriving.shape[1]
+        self.starts = self.last
+        self.last = self.last + arriving.sum(-1).view(-1, 1, 1)
+        self.longest = int(self.last.max()) + 1
+
+    def advance(self) -> None:
+        """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
+        self._limits = {}
+        self.columns += 1
+        self.longest += 1
+
+    def positions(self, arriving: torch.Tensor) -> torch.Tensor:
+        """[B, n] each arriving column's position in its sequence (a padding column takes its neighbour's)."""
+        return (self.starts.view(-1, 1) + arriving.cumsum(-1)).clamp(min=0)
+
+    def limit(self, recent: torch.Tensor) -> torch.Tensor:
+        """[B, 1, 1] the newest position a decode token may evict under the window ``recent`` [B]: computed once per
+        step for all the layers that share that window."""
+        if id(recent) not in self._limits:
+            self._limits[id(recent)] = self.last - recent.view(-1, 1, 1)
+        return self._limits[id(recent)]
+
+    def shared(self, values: tuple, device: Any) -> torch.Tensor:
+        """One tensor of ``values`` for every layer that asks for the same (their plans' windows and sinks), so
+        that per-step quantities made from it are computed once (:meth:`limit`)."""
+        key = (values, str(device))
+        if key not in self._plans:
+            self._plans[key] = torch.tensor(values, dtype=torch.int64, device=device)
+        return self._plans[key]
+
+    def rows(self, rows: list[int]) -> Sequences:
+        """A copy for the sequences ``rows``."""
+        copy = Sequences(self.deferred)
+        copy.lengths = None if self.lengths is None else [self.lengths[r] for r in rows]
+        copy.columns, copy.longest = self.columns, self.longest
+        index = None if self.last is None else torch.tensor(rows, device=self.last.device)
+        copy.last = None if self.last is None else self.last[index]
+        copy.real = None if self.real is None else self.real[index]
+        return copy
 
 
 def starting_scores(policy: Policy, key: torch.Tensor, position: torch.Tensor, layer: int) -> torch.Tensor:
     """Arriving tokens' scores [B, Hkv, n]: the policy's ``key_scores``, or 0."""
     scores = policy.key_scores(key, position, layer)
     return torch.zeros(position.shape, dtype=torch.float32, device=position.device) if scores is None else scores
+
+
+def plan_tensors(policy: Policy, lengths: list[int], layer: int, context: LayerContext, shared: Sequences, device):
+    """One layer's plan for sequences whose budgets apply to ``lengths``: capacity [B, Hkv], recent and sinks [B]
+    (tensors shared by the layers whose values are equal)."""
+    plans = [policy.plan(max(length, 1), layer, context.num_layers) for length in lengths]
+    capacity = torch.tensor([p.capacity for p in plans], dtype=torch.int64, device=device)
+    return {
+        "capacity": capacity.view(-1, 1).expand(-1, context.kv_heads).contiguous(),
+        "recent": shared.shared(tuple(p.recent for p in plans), device),
+        "sinks": shared.shared(tuple(p.sinks for p in plans), device),
+    }
 
 
 class EvictionLayer(CacheLayerMixin):
@@ -63,66 +187,75 @@ class EvictionLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, owner: EvictionCache, layer_idx: int, window: int | None = None) -> None:
-        super().__init__()
-        # A weak link: cache -> layers -> cache would be a cycle that only the garbage collector frees, so a
-        # loop making one cache per batch would hold every finished cache until a full collection.
-        self._owner, self.layer_idx, self.window = weakref.ref(owner), layer_idx, window
+    def __init__(self, context: LayerContext, shared: Sequences, layer_idx: int, window: int | None = None) -> None:
+        self.is_initialized = False  # CacheLayerMixin's own __init__ would assign keys and values, which are slots'
+        self.context, self.shared, self.layer_idx, self.window = context, shared, layer_idx, window
+        self.slots: Slots | None = None
         self.seen = 0  # columns fed, padding included
-        self.step: str | None = None  # the step of the chunk ``update`` took, until ``attend`` ran it
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values ``update`` handed out
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values ``update`` took
         self.plan: dict[str, torch.Tensor] | None = None
         self.moved = False  # whether slots stopped being the model's own positions (an eviction or compaction)
         self.kept: torch.Tensor | None = None  # [B, Hkv] tokens held right after the prompt was compressed
         self.rehearsed: torch.Tensor | None = None  # [B, Hkv, S] the compression scores of a deferred prompt
         self.unbounded = False  # whether no (sequence, KV head) can evict any more: the cache only grows
-        self.room: dict[str, torch.Tensor] | None = None  # buffers whose first slots are the state (``_expose``)
-        # Host counts a decode step goes by (set after each chunk): an upper bound on the tokens any head holds,
-        # the largest and smallest capacity, the longest sequence, and whether every slot is held.
+        # Host counts the decode steps go by (settled after each chunk): an upper bound on the tokens any head
+        # holds, the largest capacity, the slots filled by appends, whether any head has sinks, and the peak.
         self.most = 0
-        self.capacity_range = (0, 0)
-        self.longest = 0
-        self.dense = False
+        self.largest = 0
+        self.filled = 0
+        self.sinks = False
+        self.peak = 0
+        self.fill: torch.Tensor | None = None  # [1] the next append's slot, on the device
+        self.worst: torch.Tensor | None = None  # [B, Hkv, 1] the highest lowest-candidate score of any claim
+        # A policy's position scores for the next AHEAD positions from ahead_base [B, 1, 1], for claims to read.
+        self.ahead: torch.Tensor | None = None
+        self.ahead_base: torch.Tensor | None = None
+        self.ahead_left = 0
 
-    @property
-    def owner(self) -> EvictionCache:
-        return self._owner()
+    # -- the state, as transformers and the tests read it ------------------------------------------------------
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, kv_heads, _, _ = key_states.shape
-        device = key_states.device
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
-        self.held = torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=device)
-        self.position = torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=device)
-        self.scores = torch.zeros(batch, kv_heads, 0, dtype=torch.float32, device=device)
-        self.real_seen = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.slots = Slots.empty(key_states, value_states)
         self.is_initialized = True
 
-    # -- update: the chunk's keys and values, and its step -------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.slots.keys
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.slots.values
+
+    @property
+    def held(self) -> torch.Tensor:
+        return self.slots.held
+
+    @property
+    def position(self) -> torch.Tensor:
+        return self.slots.position
+
+    @property
+    def scores(self) -> torch.Tensor:
+        return self.slots.scores
+
+    # -- update: the chunk's keys and values ---------------------------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.check_attended()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        owner = self.owner
-        if owner.deferred and self.seen and owner.rehearsing is None:
+        shared = self.shared
+        if shared.deferred and self.seen and shared.rehearsing is None:
             raise RuntimeError(
-                f"policy {owner.policy.name!r} compresses its prompt after extra passes, which have not run: call "
-                "cache.compress(model, tokenizer, input_ids) after the prompt, before feeding more tokens"
+                f"policy {self.context.policy.name!r} compresses its prompt after extra passes, which have not run: "
+                "call h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more "
+                "tokens"
             )
-        self.step = self._choose(key_states)
-        if self.step == "append":
-            self.pending = self._append(key_states, value_states)
-        elif self.step == "claim":
-            self.pending = self._claim(key_states, value_states)
-        else:
-            self.pending = (torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2))
+        self.pending = (key_states, value_states)
         return self.pending
 
-    def _choose(self, key_states: torch.Tensor) -> str:
-        owner = self.owner
-        if owner.rehearsing is not None:
+    def _step(self, key_states: torch.Tensor) -> str:
+        if self.shared.rehearsing is not None:
             return "rehearse"
         if self.window is not None:
             return "window"
@@ -130,72 +263,8 @@ class EvictionLayer(CacheLayerMixin):
             return "chunk"
         return "append" if self.unbounded else "claim"
 
-    def _expose(self, size: int) -> None:
-        """Make the state ``size`` slots wide (never narrower), the new slots free: the slots live at the start of
-        larger buffers (``room``), grown by 1/64 when they fill, so a decode step copies one token, not the
-        whole cache as ``torch.cat`` would."""
-        width = self.keys.shape[2]
-        if size <= width:
-            return
-        room = self.room
-        if (
-            room is None
-            or any(room[name].data_ptr() != getattr(self, name).data_ptr() for name in STATE)
-            or room["keys"].shape[2] < size
-        ):
-            room = {}
-            for name in STATE:
-                tensor = getattr(self, name)
-                spare = max(size + width // GROWTH, size + MIN_GROWTH)
-                room[name] = tensor.new_zeros(*tensor.shape[:2], spare, *tensor.shape[3:])
-                room[name][:, :, :width] = tensor
-            self.room = room
-        for name in STATE:  # slots never exposed yet are zero: free
-            setattr(self, name, room[name][:, :, :size])
-
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per sequence into a new last slot, in place. Its score is the policy's starting score once
-        slots stopped being positions, else 0 (nothing reads it)."""
-        width = self.keys.shape[2]
-        self._expose(width + 1)
-        now = self.real_seen.view(-1, 1).expand(-1, key_states.shape[1])
-        self.keys[:, :, width] = key_states[:, :, 0]
-        self.values[:, :, width] = value_states[:, :, 0]
-        self.held[:, :, width] = True
-        self.position[:, :, width] = now
-        if self.moved:
-            self.scores[:, :, width] = starting_scores(
-                self.owner.policy, key_states, now.unsqueeze(-1), self.layer_idx
-            )[:, :, 0]
-        self.most += 1
-        return self.keys, self.values
-
-    def _claim(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per sequence into a bounded cache, in place: each (sequence, KV head) evicts its victim when it
-        holds C, else takes a free slot, of which there is one: the state is first made as wide as the most tokens
-        any head can hold after this one."""
-        most, largest = self.most, self.capacity_range[1]
-        self._expose(min(most + 1, largest))
-        plan, now = self.plan, self.real_seen
-        slot, fault = claim_slot(
-            self.held, self.position, self.scores, now, plan["capacity"], plan["recent"], plan["sinks"]
-        )
-        self.owner.note_fault("plan", fault)
-        self.most = min(most + 1, largest)
-        self.dense = self.dense and self.capacity_range[0] == largest
-        self.moved = True
-        at = slot.unsqueeze(-1)
-        new_position = now.view(-1, 1, 1).expand(-1, key_states.shape[1], 1)
-        self.held.scatter_(-1, at, True)
-        self.position.scatter_(-1, at, new_position)
-        self.scores.scatter_(-1, at, starting_scores(self.owner.policy, key_states, new_position, self.layer_idx))
-        index = at.unsqueeze(-1).expand(-1, -1, 1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
-        return self.keys, self.values
-
     def check_attended(self) -> None:
-        """Refuse to go on when the keys this layer handed out never reached the backend's attention."""
+        """Refuse to go on when the keys this layer took never reached the backend's attention."""
         if self.pending is not None:
             raise RuntimeError(
                 f"layers [{self.layer_idx}] did not run through the h2o_eval attention backend: this model cannot "
@@ -217,31 +286,29 @@ class EvictionLayer(CacheLayerMixin):
         votes=None,
         shared=None,
     ) -> torch.Tensor | None:
-        """This layer's attention for the chunk ``update`` just took, and the cache state after it. Without
-        ``output`` (a :class:`~h2o_eval.groups.SharedPrompt` pass, which computes the prompt's attention once)
-        only the state is computed, and None returned. ``hidden_states``: the attention module's input (a scorer
-        may read it). ``votes``: the prompt votes the other caches of that pass computed
-        (:attr:`~h2o_eval.eviction.Chunk.votes`); ``shared``: what their scorers computed of the prompt
-        (:meth:`~h2o_eval.policies.inputs.Prompt.once`)."""
+        """This layer's attention for the chunk ``update`` took, and the cache state after it. Without ``output`` (a
+        :class:`~h2o_eval.groups.SharedPrompt` pass, which computes the prompt's attention once) only the state is
+        computed, and None returned. ``hidden_states``: the attention module's input (a scorer may read it).
+        ``votes``: the prompt votes the other caches of that pass computed (:attr:`~h2o_eval.eviction.Chunk.votes`);
+        ``shared``: what their scorers computed of the prompt (:meth:`~h2o_eval.policies.inputs.Prompt.once`)."""
         self.pending = None
-        step, self.step = self.step, None
-        owner = self.owner
-        check_kv_heads(module, query, key, owner.kv_heads)
+        check_kv_heads(module, query, key, self.context.kv_heads)
+        step = self._step(key)
         arriving = key_validity(attention_mask, key.shape[0], query.shape[2], key.device)
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
-        if step in ("claim", "append"):
-            self.longest += 1
-            if owner.window is not None:
-                check_window(owner.window, self.longest)
-            owner.note_fault("padding", ~arriving.all())
-            result = self._attend_decode(module, query, key, value, attention_mask, scaling, step)
-            self.seen += 1
-            self.real_seen = self.real_seen + arriving.sum(-1)
+        decode = step in ("claim", "append")
+        if self.seen == self.shared.columns:  # the first layer this forward reaches
+            self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
+        check_window(self.context.window, self.shared.longest)
+        if decode:
+            self.prepare_decode()
+            result = (
+                self._claim(query, key, value, scaling) if step == "claim" else self._append(query, key, value, scaling)
+            )
+            self.advance()
             return result
-        self.longest = int((self.real_seen + arriving.sum(-1)).max())
-        if owner.window is not None:
-            check_window(owner.window, self.longest)
+        self.seen += arriving.shape[1]
         if step == "window":
             result = self._attend_window(module, query, key, value, attention_mask, scaling, arriving, output)
         else:
@@ -251,40 +318,115 @@ class EvictionLayer(CacheLayerMixin):
         self._settled()
         return result
 
-    def _attend_decode(self, module, query, key, value, attention_mask, scaling, step: str) -> torch.Tensor:
-        """A decode token's attention over the held slots: the decode kernel where the rule's scores change, else
-        torch's fused attention (the model's own mask while slots are still positions)."""
-        owner = self.owner
-        if step == "claim" and owner.rule.decode_votes != DecodeVote.NONE:
-            return attend_held(query, key, value, self.held, self.scores, owner.rule, scaling, owner.triton)
-        if not self.moved:
-            return plain_attention(module, query, key, value, attention_mask, scaling)
-        return attend_slots(query, key, value, None if self.dense else self.held, scaling)
+    def _claim(self, query, key, value, scaling) -> torch.Tensor:
+        """One token per sequence into the bounded slots, then its attention (see the module)."""
+        context, slots, now = self.context, self.slots, self.shared.last
+        rule, plan = context.rule, self.plan
+        scored = rule.decode_votes != DecodeVote.NONE
+        if self.ahead is not None:  # position scores made ahead (prepare_decode)
+            start = self.ahead.gather(-1, (now - self.ahead_base).expand(-1, key.shape[1], 1))
+        else:
+            start = context.policy.key_scores(key, now.expand(-1, key.shape[1], 1), self.layer_idx)
+        lowest = claim(
+            slots, key, value, now, self.shared.limit(plan["recent"]),
+            plan["sinks"].view(-1, 1, 1) if self.sinks else None, 0.0 if start is None else start,
+        )  # fmt: skip
+        if self.worst is not None:
+            torch.maximum(self.worst, lowest, out=self.worst)
+        if scored:
+            attention = context.implementation.decode_attention
+            output = attention(query[:, :, 0], slots.keys, slots.values, slots.held, slots.scores, scaling, rule)
+            return output.unsqueeze(2)
+        return attend(query, slots, scaling)
+
+    def _append(self, query, key, value, scaling) -> torch.Tensor:
+        """One token per sequence into the next slot of growing buffers, then its attention."""
+        append(self.slots, key, value, self.shared.last, self.fill)
+        return attend(query, self.slots, scaling)
+
+    def advance(self) -> None:
+        """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
+        self.seen += 1
+        if self.unbounded:
+            self.filled += 1
+            self.most += 1
+        else:
+            self.most = min(self.most + 1, self.largest)
+            self.moved = True
+            self.ahead_left -= 1
+
+    def buffers(self) -> tuple:
+        """What a captured decode step of this layer reads and writes, by address: a step captured for other
+        buffers does not fit these."""
+        tensors = [*self.slots.tensors(), self.fill, self.ahead, self.ahead_base, self.worst]
+        if self.plan is not None:
+            tensors += [self.plan["recent"], self.plan["sinks"]]
+        return (self.unbounded, *(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors))
+
+    def capturable(self) -> bool:
+        """Whether this layer's next one-token step is a decode step that can be captured (:mod:`h2o_eval.graphs`)."""
+        return self.window is None and self.is_initialized and self.seen > 0 and self.pending is None
+
+    def prepare_decode(self) -> bool:
+        """Before a decode step, on the host: make the buffers wide enough for one more token (a new bucket for a
+        layer that grows). Returns whether the buffers changed (a graph captured for the old ones no longer
+        fits)."""
+        if self.window is not None:
+            return False
+        slots = self.slots
+        if self.unbounded:
+            if self.filled < slots.width:
+                return False
+            self.slots = widened(slots, bucket(self.filled + 1))
+            return True
+        if self.ahead is not None and self.ahead_left <= 0:
+            self._scores_ahead()
+        if self.most < slots.width or slots.width >= self.largest:
+            return False
+        self.slots = bounded(slots, self.plan["capacity"], min(self.largest, bucket(self.most + 1)))
+        return True
+
+    def _scores_ahead(self) -> None:
+        """Make (in place, where it exists) the policy's position scores of the next :data:`AHEAD` decode positions of
+        each sequence, so that the next claims read them instead of computing them: from the position after the last
+        token fed, then from where the previous table ended (decode positions follow one another)."""
+        if self.ahead is None:
+            self.ahead_base = self.shared.last + 1
+        else:
+            self.ahead_base.add_(AHEAD)
+        kv_heads = self.slots.held.shape[1]
+        position = (self.ahead_base + torch.arange(AHEAD, device=self.ahead_base.device)).expand(-1, kv_heads, AHEAD)
+        scores = self.context.policy.position_scores(position, self.layer_idx)
+        if self.ahead is None:
+            self.ahead = scores
+        else:
+            self.ahead.copy_(scores)
+        self.ahead_left = AHEAD
 
     def _attend_chunk(
         self, module, query, key, value, attention_mask, scaling, arriving, output, hidden_states, votes, shared
     ):
         """A chunk through the mechanism: the first one fixes the layer's plan and may be a prompt."""
-        owner = self.owner
-        owner.check_faults()
+        context, sequences = self.context, self.shared
+        slots = self._compacted()
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
-        first = self.seen == 0
+        first = self.seen == n
         if first:
-            self.plan = owner.layer_plan(self.layer_idx, arriving, kv_heads)
-            if (own := owner.policy.attention(query, key, value, arriving, scaling)) is not None:
+            self.plan = self._plan(arriving)
+            if (own := context.policy.attention(query, key, value, arriving, scaling)) is not None:
                 self._keep_all(key, value, arriving)
                 return own
-        new_position = (self.real_seen.unsqueeze(-1) + arriving.cumsum(-1) - 1).clamp(min=0)
-        new_position = new_position.unsqueeze(1).expand(batch, kv_heads, n)
-        if first and owner.deferred or not self.moved and self._evicts_nothing(first, arriving):
-            self._keep_all(key, value, arriving, new_position)  # a deferred prompt is compressed after its passes
+        new_position = sequences.positions(arriving).unsqueeze(1).expand(batch, kv_heads, n)
+        keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
+        if first and sequences.deferred or not self.moved and self._evicts_nothing(first, arriving):
+            self._keep_all(keys, values, arriving, new_position)  # a deferred prompt is compressed after its passes
             self.unbounded = not self.moved and bool((self.plan["capacity"] >= UNBOUNDED).all())
-            return plain_attention(module, query, key, value, attention_mask, scaling) if output else None
-        position = torch.cat([self.position, new_position], dim=-1).contiguous()
-        fresh = starting_scores(owner.policy, key[:, :, -n:], new_position, self.layer_idx)
-        prefill = owner.prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device)
+            return plain_attention(module, query, keys, values, attention_mask, scaling) if output else None
+        position = torch.cat([slots.position, new_position], dim=-1).contiguous()
+        fresh = starting_scores(context.policy, key, new_position, self.layer_idx)
+        prefill = self._prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device)
         rescore = None
-        if first and owner.policy.rescores:
+        if first and context.policy.rescores:
             rows = torch.arange(n, device=key.device)
             prompt = Prompt(
                 module=module,
@@ -296,94 +438,127 @@ class EvictionLayer(CacheLayerMixin):
                 real=arriving & (rows < prefill.view(-1, 1)),
                 capacity=self.plan["capacity"],
                 hidden_states=hidden_states,
-                rotary=owner.rotary_of(self.layer_idx),
+                rotary=None if context.rotary is None else (lambda p: context.rotary(self.layer_idx, p)),
                 scaling=scaling,
                 shared=shared,
             )
 
             def rescore(scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-                found = owner.policy.compression_scores(prompt, scores, protected)
+                found = context.policy.compression_scores(prompt, scores, protected)
                 return scores if found is None else found.float()
 
         chunk = Chunk(
-            held=torch.cat([self.held, torch.zeros(batch, kv_heads, n, dtype=torch.bool, device=key.device)], -1),
+            held=torch.cat([slots.held, torch.zeros(batch, kv_heads, n, dtype=torch.bool, device=key.device)], -1),
             arriving=arriving,
             position=position,
-            scores=torch.cat([self.scores, fresh], dim=-1),
+            scores=torch.cat([slots.scores, fresh], dim=-1),
             capacity=self.plan["capacity"],
             recent=self.plan["recent"],
             sinks=self.plan["sinks"],
             prefill=prefill,
-            rule=owner.rule,
+            rule=context.rule,
             scaling=scaling,
             output=output,
             rescore=rescore,
             votes=votes,
         )
-        result = owner.kernel(query, key, value, chunk)
+        result = context.implementation.chunk(query, keys, values, chunk)
         self.plan["capacity"] = result.capacity
         self.unbounded = bool((result.capacity >= UNBOUNDED).all())
         if result.kept is not None:
             self.kept = result.kept
-        entered = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
-        self._keep(key, value, result.held, position, result.scores, entered)
-        self._advance(arriving)
+        entered = torch.cat([slots.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
+        self._keep(Slots(keys, values, result.held, position, result.scores), entered)
         return result.output
 
-    def _keep(self, key, value, held, position, scores, entered) -> None:
+    def _compacted(self) -> Slots:
+        """The state a chunk starts from: the slots filled so far (not a growing layer's spare room)."""
+        slots = self.slots
+        if self.unbounded and self.filled < slots.width:
+            return slots.map(lambda tensor: tensor[:, :, : self.filled])
+        return slots
+
+    def _keep(self, slots: Slots, entered: torch.Tensor) -> None:
         """The state after a chunk: its slots as they are if nothing left, else only the held slots (per head,
         padded to the fullest head)."""
-        if torch.equal(held, entered):
-            self.keys, self.values = key, value
-        else:
+        if not torch.equal(slots.held, entered):
             self.moved = True
-            size = int(held.sum(-1).max())
-            order = torch.argsort((~held).to(torch.int8), dim=-1, stable=True)[..., :size]
-            self.keys = key.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1]))
-            self.values = value.gather(2, order.unsqueeze(-1).expand(-1, -1, -1, value.shape[-1]))
-            held, position, scores = held.gather(-1, order), position.gather(-1, order), scores.gather(-1, order)
-        self.held, self.position, self.scores = held, position, scores
+            slots = slots.held_first(int(slots.held.sum(-1).max()))
+        self.slots = slots
+
+    def _plan(self, arriving: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The layer's capacity per (sequence, KV head), recent window and sinks, fixed on the first chunk."""
+        context, sequences = self.context, self.shared
+        if sequences.lengths is None:
+            length = context.length
+            if length is not None:
+                sequences.lengths = [length] * arriving.shape[0] if isinstance(length, int) else list(length)
+            elif (
+                arriving.shape[1] == 1
+                and not context.one_forward
+                and context.policy.capacity(1) != context.policy.capacity(1 << 20)
+            ):
+                raise ConfigError(
+                    "a fraction budget needs a length: give EvictionCache(..., length=N) or a token budget"
+                )
+            else:
+                sequences.lengths = arriving.sum(-1).tolist()
+        return plan_tensors(context.policy, sequences.lengths, self.layer_idx, context, sequences, arriving.device)
+
+    def _prompt_rows(self, arriving: torch.Tensor) -> torch.Tensor:
+        """[B] the first chunk's rows that are prompt rows (left padding included): none under ``simulate``, the
+        first ``prompt`` real tokens when given, else the whole chunk."""
+        batch, n = arriving.shape
+        context = self.context
+        if context.protocol == "simulate":
+            return torch.zeros(batch, dtype=torch.int64, device=arriving.device)
+        if context.prompt is None:
+            return torch.full((batch,), n, dtype=torch.int64, device=arriving.device)
+        pads_before = (arriving.cumsum(-1) == 0).sum(-1)
+        return pads_before + torch.tensor(context.prompt, device=arriving.device)
 
     def _rehearse(self, module, query, key, value, attention_mask, scaling, arriving, hidden_states) -> torch.Tensor:
         """An extra pass (:meth:`EvictionCache.rehearsal`): its tokens attend to the held slots and to each other,
         the policy scores the slots by what the pass shows it, and the pass's keys and values are dropped (the
         state stays the prompt's). A sliding layer only attends."""
-        mask = None if attention_mask is None else attention_mask[..., -key.shape[2] :]
-        output = plain_attention(module, query, key, value, mask, scaling)
+        slots = self.slots
+        keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
+        mask = None if attention_mask is None else attention_mask[..., -keys.shape[2] :]
+        output = plain_attention(module, query, keys, values, mask, scaling)
         if self.window is None:
-            owner = self.owner
+            sequences = self.shared
             rehearsal = Rehearsal(
-                index=owner.rehearsing,
-                script=owner.script,
+                index=sequences.rehearsing,
+                script=sequences.script,
                 module=module,
                 layer=self.layer_idx,
                 query=query,
-                key=key,
-                value=value,
-                held=self.held,
-                position=self.position,
+                key=keys,
+                value=values,
+                held=slots.held,
+                position=slots.position,
                 real=arriving,
                 scaling=scaling,
                 hidden_states=hidden_states,
             )
-            before = torch.zeros_like(self.scores) if self.rehearsed is None else self.rehearsed
-            self.rehearsed = owner.policy.rehearse(rehearsal, before).float()
+            before = torch.zeros_like(slots.scores) if self.rehearsed is None else self.rehearsed
+            self.rehearsed = self.context.policy.rehearse(rehearsal, before).float()
         return output
 
     def compress_prompt(self, capacity: torch.Tensor) -> None:
         """Compress a deferred prompt (after its extra passes) to ``capacity`` [B, Hkv] by the scores the passes
-        gave it, as a prompt is compressed (:func:`h2o_eval.eviction.compress`)."""
+        gave it, as a prompt is compressed (:func:`h2o_eval.compression.compress`)."""
         if self.window is not None:
             return
-        owner = self.owner
-        scores = self.scores if self.rehearsed is None else self.rehearsed
+        slots, plan = self.slots, self.plan
+        scores = slots.scores if self.rehearsed is None else self.rehearsed
         held, scores, after = compress(
-            self.held, scores, self.position, capacity, self.plan["recent"], self.plan["sinks"], self.real_seen - 1,
-            owner.rule,
+            slots.held, scores, slots.position, capacity, plan["recent"], plan["sinks"],
+            self.shared.last.view(-1), self.context.rule,
         )  # fmt: skip
-        self.plan["capacity"], self.kept, self.rehearsed = after, held.sum(-1), None
+        plan["capacity"], self.kept, self.rehearsed = after, held.sum(-1), None
         self.unbounded = bool((after >= UNBOUNDED).all())
-        self._keep(self.keys, self.values, held, self.position, scores, self.held)
+        self._keep(Slots(slots.keys, slots.values, held, slots.position, scores), slots.held)
         self._settled()
 
     def _evicts_nothing(self, first: bool, arriving: torch.Tensor) -> bool:
@@ -393,78 +568,126 @@ class EvictionLayer(CacheLayerMixin):
         capacity = self.plan["capacity"]
         if bool((capacity >= UNBOUNDED).all()):
             return True
-        owner = self.owner
-        if not (first and owner.one_forward):
+        context = self.context
+        if not (first and context.one_forward):
             return False
-        limit = torch.tensor(owner.lengths, device=capacity.device) if owner.rule.grows else arriving.sum(-1)
+        lengths = self.shared.lengths
+        limit = torch.tensor(lengths, device=capacity.device) if context.rule.grows else arriving.sum(-1)
         return bool((capacity >= limit.view(-1, 1)).all())
 
     def _keep_all(self, key, value, arriving, new_position=None) -> None:
-        """Hold every arriving token (a chunk that evicts nothing); their scores stay 0, as nothing reads them."""
+        """Hold every arriving token (a chunk that evicts nothing) of ``key``/``value`` (the state's slots and the
+        chunk's); their scores stay 0, as nothing reads them."""
+        slots = self._compacted()
         batch, kv_heads, n = key.shape[0], key.shape[1], arriving.shape[1]
-        self.keys, self.values = key, value
-        self.held = torch.cat([self.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
-        if new_position is not None:
-            self.position = torch.cat([self.position, new_position], dim=-1)
-        self.scores = torch.cat([self.scores, self.scores.new_zeros(batch, kv_heads, n)], dim=-1)
-        self._advance(arriving)
+        position = slots.position if new_position is None else torch.cat([slots.position, new_position], dim=-1)
+        if position.shape[-1] < key.shape[2]:  # a policy that computes its own attention keeps no positions
+            position = torch.cat([position, position.new_zeros(batch, kv_heads, n)], dim=-1)
+        self.slots = Slots(
+            key,
+            value,
+            torch.cat([slots.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1),
+            position,
+            torch.cat([slots.scores, slots.scores.new_zeros(batch, kv_heads, n)], dim=-1),
+        )
 
     def _attend_window(self, module, query, key, value, attention_mask, scaling, arriving, output=True):
         """The model's own sliding-window attention over the slots held (the mask's last columns), then keep the
         last ``window`` - 1 slots."""
-        if self.seen > 0:
-            self.owner.note_fault("padding", ~arriving.all())
-        mask = None if attention_mask is None else attention_mask[..., -key.shape[2] :]
-        result = plain_attention(module, query, key, value, mask, scaling) if output else None
-        keep = min(key.shape[2], self.window - 1)
-        self.keys, self.values = key[:, :, key.shape[2] - keep :], value[:, :, value.shape[2] - keep :]
-        self.held = torch.ones(key.shape[0], key.shape[1], keep, dtype=torch.bool, device=key.device)
-        self._advance(arriving)
+        slots = self.slots
+        keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
+        if slots.width:
+            self.faults_seen(arriving)
+        mask = None if attention_mask is None else attention_mask[..., -keys.shape[2] :]
+        result = plain_attention(module, query, keys, values, mask, scaling) if output else None
+        keep = min(keys.shape[2], self.window - 1)
+        batch, kv_heads = keys.shape[:2]
+        self.slots = Slots(
+            keys[:, :, keys.shape[2] - keep :],
+            values[:, :, values.shape[2] - keep :],
+            torch.ones(batch, kv_heads, keep, dtype=torch.bool, device=keys.device),
+            torch.zeros(batch, kv_heads, keep, dtype=torch.int64, device=keys.device),
+            torch.zeros(batch, kv_heads, keep, dtype=torch.float32, device=keys.device),
+        )
         return result
 
-    def _advance(self, arriving: torch.Tensor) -> None:
-        self.seen += arriving.shape[1]
-        self.real_seen = self.real_seen + arriving.sum(-1)
+    def faults_seen(self, arriving: torch.Tensor) -> None:
+        """Note a padding token after the prompt, as a decode step would (a sliding layer's later chunks)."""
+        real = arriving.all(-1)
+        sequences = self.shared
+        sequences.real = real if sequences.real is None else sequences.real & real
 
     def _settled(self) -> None:
         """After a chunk or a compression (where reading the device is allowed): the host counts the next decode
-        steps go by, and the peak so far."""
-        held = self.held.sum(-1)
+        steps go by, the peak so far, and the layout they decode in (:func:`~h2o_eval.decode.bounded`)."""
+        slots = self.slots
+        held = slots.held.sum(-1)
         self.most = int(held.max()) if held.numel() else 0
-        self.dense = bool(self.held.all())
-        if self.plan is not None:
-            capacity = self.plan["capacity"]
-            self.capacity_range = (int(capacity.min()), int(capacity.max()))
-        owner = self.owner
-        owner.peak_entries = max(owner.peak_entries, self.most)
+        self.peak = max(self.peak, self.most)
+        if self.window is not None or self.plan is None or self.shared.deferred:
+            return
+        plan = self.plan
+        self.filled = slots.width
+        if self.unbounded:
+            self.fill = torch.tensor([self.filled], dtype=torch.int64, device=slots.held.device)
+            return
+        capacity = plan["capacity"]
+        self.largest = int(capacity.max())
+        self.sinks = bool((plan["sinks"] > 0).any())
+        protected = (plan["recent"] + plan["sinks"]).view(-1, 1)
+        self.worst, self.ahead = None, None
+        if self.context.policy.positional:
+            self._scores_ahead()
+        if bool(((capacity < protected) & (capacity < UNBOUNDED)).any()):  # a full head may have no candidate
+            self.worst = torch.full((*capacity.shape, 1), -torch.inf, device=capacity.device)
+        self.moved = True
+        self.slots = bounded(slots, capacity, min(self.largest, bucket(self.most + 1)))
+
+    def faults(self) -> list[str]:
+        """What decode steps noted on the device (reading it waits for the device): a full head whose every held
+        token was protected."""
+        if self.worst is not None and bool((self.worst == torch.inf).any()):
+            return ["eviction needed but every held token is protected: the plan is inconsistent"]
+        return []
 
     # -- copies ----------------------------------------------------------------------------------------------------
 
-    def fork(self, owner: EvictionCache, rows: list[int]) -> EvictionLayer:
-        """A copy of this layer's state for sequences ``rows`` (indices), belonging to ``owner``."""
+    def fork(self, context: LayerContext, shared: Sequences, rows: list[int]) -> EvictionLayer:
+        """A copy of this layer's state for sequences ``rows`` (indices), under ``context`` and ``shared``."""
         if self.pending is not None:
             raise RuntimeError("a cache can be forked between forwards only")
-        layer = EvictionLayer(owner, self.layer_idx, self.window)
-        for name in ("seen", "moved", "is_initialized", "unbounded", "most", "capacity_range", "longest", "dense"):
+        layer = EvictionLayer(context, shared, self.layer_idx, self.window)
+        for name in ("seen", "moved", "is_initialized", "unbounded", "peak"):
             setattr(layer, name, getattr(self, name))
-        for name in ("keys", "values", "held", "position", "scores", "real_seen", "kept", "rehearsed"):
-            value = getattr(self, name, None)
+        if self.slots is not None:
+            layer.slots = self._compacted().rows(rows)
+        for name in ("kept", "rehearsed"):
+            value = getattr(self, name)
             setattr(layer, name, None if value is None else value[torch.tensor(rows, device=value.device)])
         if self.plan is not None:
-            layer.plan = {key: value[torch.tensor(rows, device=value.device)] for key, value in self.plan.items()}
+            index = torch.tensor(rows, device=self.plan["capacity"].device)
+            layer.plan = {"capacity": self.plan["capacity"][index]}
+            for key in ("recent", "sinks"):
+                layer.plan[key] = shared.shared(tuple(self.plan[key][index].tolist()), index.device)
         if layer.is_initialized:
             layer._settled()
         return layer
 
-    def grown_view(self, owner: EvictionCache) -> EvictionLayer:
-        """This layer's state, not copied, for ``owner`` (:meth:`EvictionCache.grown_view`): tokens fed through
-        the view go to buffers of its own, so this layer is left as it was."""
+    def grown_view(self, context: LayerContext, shared: Sequences) -> EvictionLayer:
+        """This layer's state, not copied, under ``context`` (:meth:`EvictionCache.grown_view`): tokens fed through
+        the view go to buffers of its own (its first append widens a state cut to what is filled), so this layer
+        is left as it was."""
         if self.pending is not None:
             raise RuntimeError("a view of a cache is made between forwards only")
-        layer = copy.copy(self)
-        layer._owner, layer.room = weakref.ref(owner), None
+        layer = EvictionLayer(context, shared, self.layer_idx, self.window)
+        for name in ("seen", "moved", "is_initialized", "kept", "peak", "most"):
+            setattr(layer, name, getattr(self, name))
+        layer.slots = self._compacted()
         layer.plan = None if self.plan is None else dict(self.plan)  # a chunk through the view sets its own
         layer.unbounded = True
+        layer.filled = layer.slots.width
+        if self.window is None and self.plan is not None:
+            layer.fill = torch.tensor([layer.filled], dtype=torch.int64, device=layer.slots.held.device)
         return layer
 
     def realised(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -472,7 +695,7 @@ class EvictionLayer(CacheLayerMixin):
         applied to: the tokens kept when the prompt was compressed (or the plan's C); a sliding layer that keeps
         its own window counts as min(length, window)."""
         if self.window is not None:
-            return lengths.clamp(max=self.window).float().view(-1, 1).expand(-1, self.held.shape[1])
+            return lengths.clamp(max=self.window).float().view(-1, 1).expand(-1, self.slots.held.shape[1])
         planned = self.plan["capacity"].clamp(max=UNBOUNDED - 1)
         kept = planned if self.kept is None else torch.minimum(self.kept, planned)
         return torch.minimum(kept, lengths.clamp(min=1).view(-1, 1)).float()
@@ -487,9 +710,7 @@ class EvictionLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.is_initialized = False
-        self.seen, self.step, self.pending, self.plan, self.moved, self.kept = 0, None, None, None, False, None
-        self.unbounded, self.room, self.most, self.longest, self.dense = False, None, 0, 0, False
+        raise NotImplementedError("EvictionCache is not reset: make a new one")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("EvictionCache does not support beam search")

@@ -6,6 +6,8 @@ The third kernel, ``eviction_scan``, has the mechanism's own definition as its r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -221,6 +223,17 @@ def column_sums_reference(
     return columns
 
 
+@functools.lru_cache
+def _constant(value: float, device: torch.device) -> torch.Tensor:
+    """A float32 scalar on ``device``, made once: ``torch.where`` with a Python number would make it every call."""
+    return torch.tensor(value, device=device)
+
+
+@functools.lru_cache
+def _ones(count: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(1, 1, count, device=device)
+
+
 def decode_attention_reference(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -228,13 +241,36 @@ def decode_attention_reference(
     held: torch.Tensor,
     scores: torch.Tensor,
     scaling: float,
+    replace: bool = False,
+    layer: bool = False,
 ) -> torch.Tensor:
     """One query per sequence [B, Hq, D] against the held slots of keys/values [B, Hkv, S, D] (held [B, Hkv, S]).
 
     Softmax over the held slots of each KV head for its G query heads; adds the probabilities, summed over
     the group, into ``scores`` [B, Hkv, S] float32. Returns the output [B, Hq, D] in the query's dtype.
+    ``replace``: the held slots' scores become those sums instead (unheld ones keep theirs); ``layer``: every KV
+    head gets the sum over all the layer's query heads. Five torch operations for H2O's rule, six for the others:
+    on a GPU each is a kernel launch, and a decode step's launches set its pace at batch 1 (so the sums over query
+    heads are products with ones, which add them in another order than ``sum``: equal within float rounding).
     """
-    logits = grouped_logits(query.unsqueeze(2), keys, scaling)
-    probs = torch.softmax(logits.masked_fill(~held[:, :, None, None], -torch.inf), dim=-1)
-    scores += probs.sum(dim=(2, 3))
-    return grouped_values(probs, values).squeeze(2).to(query.dtype)
+    batch, q_heads, dim = query.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    grouped = query.float().reshape(batch * kv_heads, group, dim)
+    key_rows = keys.float().reshape(batch * kv_heads, slots, dim).transpose(1, 2)
+    logits = torch.baddbmm(_constant(0.0, query.device), grouped, key_rows, beta=0, alpha=scaling)
+    held_rows = held.reshape(batch * kv_heads, 1, slots)
+    probs = torch.where(held_rows, logits, _constant(-torch.inf, query.device)).softmax(-1)
+    if layer:  # the sum over every query head of the layer, as a product with ones: one operation
+        votes = torch.bmm(_ones(q_heads, query.device).expand(batch, 1, q_heads), probs.view(batch, q_heads, slots))
+        if replace:
+            torch.where(held, votes, scores, out=scores)
+        else:
+            scores.add_(votes)
+    elif replace:
+        torch.where(held, probs.sum(1).view(batch, kv_heads, slots), scores, out=scores)
+    else:
+        ones = _ones(group, query.device).expand(batch * kv_heads, 1, group)
+        scores.view(batch * kv_heads, 1, slots).baddbmm_(ones, probs)
+    output = torch.bmm(probs, values.float().reshape(batch * kv_heads, slots, dim))
+    return output.view(batch, q_heads, dim).to(query.dtype)

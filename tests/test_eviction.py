@@ -8,7 +8,9 @@ import pytest
 import torch
 from conftest import RULES, fast_sample, make_chunk
 
-from h2o_eval.eviction import Chunk, attend_chunk, attend_chunk_reference, compress, pool_scores
+from h2o_eval.chunks import attend_chunk
+from h2o_eval.compression import compress, pool_scores
+from h2o_eval.eviction import Chunk, attend_chunk_reference
 from h2o_eval.policies import UNBOUNDED, Rule
 from h2o_eval.policies.h2o_reference import reference_keep_mask
 
@@ -76,12 +78,12 @@ def test_a_policys_own_compression_scores_rank_the_prompt_on_every_path(rule, pr
 def test_decode_rows_are_processed_in_blocks(monkeypatch):
     """Reference: the fast path with one block of rows; implementation: blocks of 8 rows (and of 5, which ends
     mid-chunk), so the scan's state (held slots, scores, entry and exit rows) crosses block boundaries."""
-    import h2o_eval.eviction as eviction
+    import h2o_eval.chunks as chunks
 
     query, key, value, chunk = make_chunk(2, 6, 2, 40, 3, RULES["h2o"], 0, "left")
     whole = attend_chunk(query, key, value, chunk)
     for block in (8, 5):
-        monkeypatch.setattr(eviction, "ROW_BLOCK", block)
+        monkeypatch.setattr(chunks, "ROW_BLOCK", block)
         assert_same_result(attend_chunk(query, key, value, chunk), whole, chunk)
 
 
@@ -90,7 +92,7 @@ def test_decode_blocks_compute_logits_only_for_the_slots_they_can_see(monkeypatc
     """Reference: attend_chunk_reference; implementation: the fast path in blocks of 8 rows, whose logits are
     computed against only the slots held when the block starts and its own 8 rows (an evicted token never
     returns): at most C + 8 columns of the 43 slots, per KV head or, with heads=layer, one set for the layer."""
-    import h2o_eval.eviction as eviction
+    import h2o_eval.chunks as chunks
 
     query, key, value, chunk = make_chunk(2, 6, 2, 40, 3, RULES[rule], 0, "left")
     widths = []
@@ -99,9 +101,9 @@ def test_decode_blocks_compute_logits_only_for_the_slots_they_can_see(monkeypatc
         widths.append(logits.shape[-1])
         return real_scan(logits, *args)
 
-    real_scan = eviction.scan_rows
-    monkeypatch.setattr(eviction, "scan_rows", scan_rows)
-    monkeypatch.setattr(eviction, "ROW_BLOCK", 8)
+    real_scan = chunks.scan_rows
+    monkeypatch.setattr(chunks, "scan_rows", scan_rows)
+    monkeypatch.setattr(chunks, "ROW_BLOCK", 8)
     assert_same_result(attend_chunk(query, key, value, chunk), attend_chunk_reference(query, key, value, chunk), chunk)
     assert len(widths) == 5 and max(widths[1:]) <= int(chunk.capacity.max()) + 8
 

@@ -79,7 +79,7 @@ def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkey
     H2O at three budgets and TOVA in one SharedPrompt, where H2O's votes (every prompt row weighed alike) are
     computed once per layer and TOVA's (its last row only) once more. Every cache's held slots and scores are
     exactly the reference's."""
-    from h2o_eval import eviction
+    from h2o_eval import chunks
 
     model, _ = load_model("tiny-llama", device="cpu")
     ids = torch.randint(5, model.config.vocab_size, (2, 120), generator=torch.Generator().manual_seed(5))
@@ -88,8 +88,8 @@ def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkey
     policies = [make_policy("h2o", b) for b in (0.2, 0.4, 0.6)] + [make_policy("tova", 0.3)]
 
     alone = [fed(model, ids, mask, [p])[0] for p in policies]
-    calls, computed = [], eviction.prompt_votes
-    monkeypatch.setattr(eviction, "prompt_votes", lambda *a, **k: calls.append(1) or computed(*a, **k))
+    calls, computed = [], chunks.prompt_votes
+    monkeypatch.setattr(chunks, "prompt_votes", lambda *a, **k: calls.append(1) or computed(*a, **k))
     together = fed(model, ids, mask, policies)
     assert len(calls) == 2 * model.config.num_hidden_layers
     for one, other in zip(alone, together, strict=True):

@@ -9,7 +9,7 @@ import torch
 from conftest import registered
 from torch.overrides import TorchFunctionMode
 
-from h2o_eval import EvictionCache, load_model
+from h2o_eval import EvictionCache, compress, load_model
 from h2o_eval.policies import example_policy
 
 # The calls that read a tensor's value on the host (a device synchronisation on CUDA).
@@ -58,7 +58,7 @@ def decode_reads(model, tokenizer, cache, prompt: torch.Tensor, mask: torch.Tens
     reads = HostReads()
     with torch.no_grad():
         model(prompt, attention_mask=mask, cache=cache, use_cache=True)
-        cache.compress(model, tokenizer, prompt, mask, max_new_tokens=4)
+        compress(model, cache, tokenizer, prompt, mask, max_new_tokens=4)
         for _ in range(STEPS):
             mask = torch.cat([mask, mask.new_ones(prompt.shape[0], 1)], -1)
             with reads:

@@ -21,7 +21,8 @@ from h2o_eval.kernels.reference import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime import interpreter
 
-from h2o_eval.eviction import attend_chunk_reference, attend_chunk_triton
+from h2o_eval.chunks import attend_chunk_triton
+from h2o_eval.eviction import attend_chunk_reference
 from h2o_eval.policies import Rule
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

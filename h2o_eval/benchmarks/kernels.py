@@ -164,7 +164,7 @@ def decode_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None
 
 
 def scan_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None:
-    from h2o_eval.eviction import attend_chunk_triton
+    from h2o_eval.chunks import attend_chunk_triton
 
     plan = make_policy("h2o", budget=args.budget).plan(length)
     query, key, value = random_qkv(args, length, length)

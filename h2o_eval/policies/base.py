@@ -229,6 +229,12 @@ class Policy:
     def key_scores(self, key: torch.Tensor, position: torch.Tensor, layer: int) -> torch.Tensor | None:
         """Scores that need no attention, computed once per token as it arrives: key [B, Hkv, n, D] and its
         positions [B, Hkv, n] -> [B, Hkv, n] float32; None: scores start at 0."""
+        return self.position_scores(position, layer)
+
+    def position_scores(self, position: torch.Tensor, layer: int) -> torch.Tensor | None:
+        """Scores of :meth:`key_scores` that depend on the token's position alone (positions [B, Hkv, n] ->
+        [B, Hkv, n] float32): decode steps then read them from a table made ahead for the next positions, instead of
+        computing them one token at a time. None: no such scores."""
         return None
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor | None:
@@ -282,6 +288,11 @@ class Policy:
         return None
 
     @property
+    def positional(self) -> bool:
+        """Whether the policy has scores of the position alone (:meth:`position_scores`)."""
+        return type(self).position_scores is not Policy.position_scores
+
+    @property
     def rescores(self) -> bool:
         """Whether the policy scores a prompt at its compression (:meth:`compression_scores`)."""
         return type(self).compression_scores is not Policy.compression_scores
@@ -298,6 +309,7 @@ class Policy:
         return (
             self.rule.votes != Votes.NONE
             or type(self).key_scores is not Policy.key_scores
+            or self.positional
             or self.rescores
             or self.rehearses
         )

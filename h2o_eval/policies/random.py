@@ -34,5 +34,5 @@ class Random(H2O):
     def rule(self) -> Rule:
         return Rule()
 
-    def key_scores(self, key: torch.Tensor, position: torch.Tensor, layer: int) -> torch.Tensor:
+    def position_scores(self, position: torch.Tensor, layer: int) -> torch.Tensor:
         return random_scores(self.seed, layer, position)

@@ -66,8 +66,15 @@ class Wrapper(Policy):
     def key_scores(self, key: torch.Tensor, position: torch.Tensor, layer: int) -> torch.Tensor | None:
         return self.base.key_scores(key, position, layer)
 
+    def position_scores(self, position: torch.Tensor, layer: int) -> torch.Tensor | None:
+        return self.base.position_scores(position, layer)
+
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor | None:
         return self.base.compression_scores(prompt, scores, protected)
+
+    @property
+    def positional(self) -> bool:
+        return self.base.positional
 
     @property
     def rescores(self) -> bool:

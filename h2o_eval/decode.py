@@ -1,0 +1,172 @@
+"""One token per sequence into a layer's static buffers: the decode step, the one a CUDA graph captures and replays.
+
+A layer's state is :class:`Slots`: keys and values [B, Hkv, S, D] and, per slot, whether it is held, the position of
+its token and its score. A decode step writes into these tensors in place and allocates no state, reads no value on
+the host, and takes its shapes from the buffers alone, so the same step can be captured once and replayed:
+
+- :func:`claim` (a cache that evicts): each (sequence, KV head) gives up its victim, the unprotected held token with
+  the lowest (score, position), or takes a free slot, and the token is written there (step 1 of
+  :mod:`h2o_eval.eviction`);
+- :func:`append` (a cache that no longer evicts): the token goes into the next slot of buffers that grow in buckets
+  between steps (:func:`widened`);
+- :func:`attend` attends to the held slots for a rule that needs no scores while decoding (steps 2-3 of a rule that
+  votes are the decode-attention kernel's, :class:`~h2o_eval.implementation.Implementation`).
+
+A bounded layer's buffers are exactly as wide as its largest capacity, laid out by :func:`bounded`: in each
+(sequence, KV head) the first C slots are live, held or **free** (position :data:`FREE`, score -inf: older than any
+protection and lower than any score, so the lowest-scoring candidate is a free slot while one is left), and the rest
+are **dead** (position :data:`DEAD`: never a candidate, never held), so that a head whose C is below the layer's
+largest never grows past C. The victim is found by comparisons alone, with no count of held tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+FREE = -(2**62)  # the position of a free slot
+DEAD = 2**62  # the position of a slot beyond its KV head's capacity
+BUCKET = 64  # growing buffers take whole buckets of slots: at least one, and at least 1/64 of what they hold
+
+
+@dataclass
+class Slots:
+    """A layer's state per slot. ``keys``, ``values``: [B, Hkv, S, D]; ``held``: [B, Hkv, S] bool; ``position``:
+    [B, Hkv, S] int64, each slot's token index in its sequence; ``scores``: [B, Hkv, S] float32. A slot that is not
+    held is free: the next token may take it. Everything a decode step changes is one of these tensors, in place."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    held: torch.Tensor
+    position: torch.Tensor
+    scores: torch.Tensor
+
+    @classmethod
+    def empty(cls, key: torch.Tensor, value: torch.Tensor) -> Slots:
+        """No slots, for sequences and heads shaped as ``key`` [B, Hkv, n, D]."""
+        batch, kv_heads = key.shape[:2]
+        device = key.device
+        return cls(
+            key[:, :, :0],
+            value[:, :, :0],
+            torch.zeros(batch, kv_heads, 0, dtype=torch.bool, device=device),
+            torch.zeros(batch, kv_heads, 0, dtype=torch.int64, device=device),
+            torch.zeros(batch, kv_heads, 0, dtype=torch.float32, device=device),
+        )
+
+    @property
+    def width(self) -> int:
+        return self.keys.shape[2]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+
+    def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> Slots:
+        """These slots with ``function`` applied to every tensor."""
+        return Slots(*(function(tensor) for tensor in self.tensors()))
+
+    def rows(self, rows: list[int]) -> Slots:
+        """A copy of the sequences ``rows``."""
+        index = torch.tensor(rows, device=self.held.device)
+        return self.map(lambda tensor: tensor[index])
+
+    def held_first(self, size: int | None = None) -> Slots:
+        """These slots with the held ones first in each (sequence, KV head), in their order, cut to ``size``."""
+        order = torch.argsort((~self.held).to(torch.int8), dim=-1, stable=True)[..., :size]
+        index = order.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        return Slots(
+            self.keys.gather(2, index),
+            self.values.gather(2, index),
+            self.held.gather(-1, order),
+            self.position.gather(-1, order),
+            self.scores.gather(-1, order),
+        )
+
+
+def widened(slots: Slots, size: int) -> Slots:
+    """``slots`` in new contiguous buffers of ``size`` slots (at least their width), the new slots free."""
+    if size == slots.width and all(tensor.is_contiguous() for tensor in slots.tensors()):
+        return slots
+    fill = (0, False, FREE, -torch.inf)
+    grown = []
+    for tensor, value in zip(slots.tensors(), (fill[0], *fill), strict=True):
+        buffer = tensor.new_full((*tensor.shape[:2], size, *tensor.shape[3:]), value)
+        buffer[:, :, : slots.width] = tensor
+        grown.append(buffer)
+    return Slots(*grown)
+
+
+def bucket(size: int) -> int:
+    """The width of growing buffers that must hold ``size`` slots: a whole number of :data:`BUCKET` s, with at least
+    ``size // 64`` slots to spare, so that a decode step rarely copies the layer and a CUDA graph captured for one
+    width is replayed for many steps."""
+    spare = max(size // 64, 1)
+    return -(-(size + spare) // BUCKET) * BUCKET
+
+
+def bounded(slots: Slots, capacity: torch.Tensor, size: int) -> Slots:
+    """The layout a bounded layer decodes in, ``size`` slots wide (its largest C, or a bucket short of it while a
+    head may still grow): in each (sequence, KV head) the held slots first, in their order, then free slots up to
+    the head's C, then dead ones (see the module). Every head holds at most ``size`` tokens."""
+    slots = widened(slots.held_first(size), size)
+    live = torch.arange(size, device=capacity.device) < capacity.unsqueeze(-1)
+    slots.position.copy_(torch.where(slots.held, slots.position, torch.where(live, FREE, DEAD)))
+    slots.scores.masked_fill_(~slots.held, -torch.inf)
+    return slots
+
+
+def claim(
+    slots: Slots,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    now: torch.Tensor,
+    limit: torch.Tensor,
+    sinks: torch.Tensor | None,
+    start: torch.Tensor | float | None,
+) -> torch.Tensor:
+    """Step 1 for one token per sequence (``key``, ``value`` [B, Hkv, 1, D]) at position ``now`` [B, 1, 1]: in each
+    (sequence, KV head) the candidates are the held slots older than ``limit`` [B, 1, 1] (= now - recent) and not
+    among the first ``sinks`` [B, 1, 1] (None: no sinks), and the free ones; the one with the lowest score (the
+    smallest position among equal scores) takes the token, whose score becomes ``start`` (None: left as it was,
+    for a rule whose scores never change). Returns [B, Hkv, 1] the lowest candidate score, +inf where a head had
+    no candidate (every held token protected: an inconsistent plan)."""
+    protected = slots.position > limit
+    if sinks is not None:
+        protected |= slots.position < sinks
+    ranked = slots.scores.masked_fill(protected, torch.inf)
+    lowest = ranked.amin(-1, keepdim=True)
+    slot = slots.position.masked_fill(ranked != lowest, DEAD).argmin(-1, keepdim=True)  # [B, Hkv, 1]
+    index = slot.unsqueeze(-1).expand(-1, -1, -1, key.shape[-1])
+    slots.keys.scatter_(2, index, key)
+    slots.values.scatter_(2, index, value)
+    slots.held.scatter_(-1, slot, True)
+    slots.position.scatter_(-1, slot, now.expand_as(slot))
+    if start is not None:
+        slots.scores.scatter_(-1, slot, start)
+    return lowest
+
+
+def append(slots: Slots, key: torch.Tensor, value: torch.Tensor, now: torch.Tensor, width: torch.Tensor) -> None:
+    """One token per sequence (``key``, ``value`` [B, Hkv, 1, D]) at position ``now`` [B, 1, 1] into slot ``width``
+    ([1] int64, on the device, then advanced), which the buffers have (:func:`bucket`)."""
+    slots.keys.index_copy_(2, width, key)
+    slots.values.index_copy_(2, width, value)
+    slots.held.index_fill_(2, width, True)
+    slots.position.index_copy_(2, width, now.expand(-1, key.shape[1], 1))
+    width.add_(1)
+
+
+def attend(query: torch.Tensor, slots: Slots, scaling: float) -> torch.Tensor:
+    """One query per sequence [B, Hq, 1, D] over the held slots, through torch's fused attention (SDPA), for a rule
+    that needs no attention scores: each KV head's G query heads are G query rows of that head, so nothing is
+    repeated and the mask broadcasts over them. Returns [B, Hq, 1, D]."""
+    batch, q_heads, _, dim = query.shape
+    kv_heads = slots.keys.shape[1]
+    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        grouped, slots.keys, slots.values, attn_mask=slots.held.unsqueeze(2), scale=scaling
+    )
+    return output.reshape(batch, q_heads, 1, dim)

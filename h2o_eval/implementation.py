@@ -1,0 +1,61 @@
+"""Which implementation of the mechanism a cache runs, chosen once from ``kernels`` and the device: the chunk
+function (the definition's loop, the fast CPU path, or the Triton kernels) and the decode attention that scores
+while it attends (the PyTorch reference or the flash-decoding kernel)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from h2o_eval.chunks import attend_chunk, attend_chunk_triton
+from h2o_eval.eviction import attend_chunk_reference
+from h2o_eval.kernels.reference import decode_attention_reference
+from h2o_eval.policies import Rule, check_kernels
+from h2o_eval.policies.base import DecodeVote, Heads
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """``chunk(query, key, value, chunk) -> Result``: a chunk through the mechanism. ``decode_attention(query [B, Hq,
+    D], keys, values, held, scores, scaling, rule) -> output [B, Hq, D]``: one query per sequence over the held
+    slots, the rule's votes folded into ``scores`` in place. ``triton``: whether the Triton kernels run."""
+
+    chunk: Callable
+    decode_attention: Callable[..., torch.Tensor]
+    triton: bool
+
+
+def _reference_decode(query, keys, values, held, scores, scaling, rule: Rule) -> torch.Tensor:
+    replace, layer = rule.decode_votes == DecodeVote.REPLACE, rule.heads == Heads.LAYER
+    return decode_attention_reference(query, keys, values, held, scores, scaling, replace=replace, layer=layer)
+
+
+def _triton_decode(query, keys, values, held, scores, scaling, rule: Rule) -> torch.Tensor:
+    """The flash-decoding kernel adds its votes per KV head; other rules get them in a zeroed buffer first."""
+    from h2o_eval.kernels.decode_attention import decode_attention
+
+    if rule.decode_votes == DecodeVote.ADD and rule.heads == Heads.KV:
+        return decode_attention(query, keys, values, held, scores, scaling)
+    votes = torch.zeros_like(scores)
+    output = decode_attention(query, keys, values, held, votes, scaling)
+    if rule.heads == Heads.LAYER:
+        votes = votes.sum(1, keepdim=True)
+    if rule.decode_votes == DecodeVote.ADD:
+        scores.add_(votes)
+    else:
+        torch.where(held, votes, scores, out=scores)
+    return output
+
+
+def choose(kernels: str, device: torch.device) -> Implementation:
+    """``auto``: the Triton kernels on CUDA, the fast CPU path elsewhere; ``torch``: the definition's loop and the
+    PyTorch decode attention; ``triton``: the Triton kernels (CUDA, or Triton's interpreter in tests)."""
+    check_kernels(kernels, device.type)
+    triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
+    if kernels == "torch":
+        return Implementation(attend_chunk_reference, _reference_decode, False)
+    if triton:
+        return Implementation(attend_chunk_triton, _triton_decode, True)
+    return Implementation(attend_chunk, _reference_decode, False)
