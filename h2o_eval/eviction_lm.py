@@ -59,9 +59,11 @@ class EvictionLM(HFLM):
     score. Generation under ``context`` runs one request at a time (its context ends in its own column).
     """
 
-    def __init__(self, *, session: Session, kernels: str = "auto", task: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, session: Session, kernels: str = "auto", graphs: bool = True, task: Any = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.session, self.kernels, self.task = session, kernels, task
+        self.session, self.kernels, self.graphs, self.task = session, kernels, graphs, task
         self.generation: generation.GenerationLog | None = None  # what generate_until requests generated
 
     @classmethod
@@ -86,6 +88,7 @@ class EvictionLM(HFLM):
         budget: float | int = 0.2,
         protocol: str = "simulate",
         kernels: str = "auto",
+        graphs: bool = True,
         device: str = "auto",
         dtype: str = "auto",
         batch_size: int | str = 1,
@@ -94,17 +97,21 @@ class EvictionLM(HFLM):
     ) -> EvictionLM:
         """The model ``pretrained`` (registry name, HF id or local path) patched with ``policy`` at ``budget``
         for as long as the returned object lives; ``params`` override the policy's own settings
-        (``conf/policy/<policy>.yaml``), e.g. ``heavy_ratio``. Every setting is checked before the weights load
+        (``conf/policy/<policy>.yaml``), e.g. ``heavy_ratio``; ``graphs=false`` decodes ``generate_until``
+        requests eagerly (:mod:`h2o_eval.graphs`). Every setting is checked before the weights load
         (:func:`check_settings`)."""
         from h2o_eval.models import load_model
 
         built, device = check_settings(
-            pretrained, policy, budget, protocol, kernels, device, dtype, batch_size, **params
+            pretrained, policy, budget, protocol, kernels, graphs, device, dtype, batch_size, **params
         )
         model, tokenizer = load_model(pretrained, device=device, dtype=dtype)
         stack = ExitStack()
         session = stack.enter_context(patch(model, built, protocol, kernels))
-        lm = cls(pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size), session=session, kernels=kernels)
+        lm = cls(
+            pretrained=model, tokenizer=tokenizer, batch_size=int(batch_size), session=session, kernels=kernels,
+            graphs=graphs,
+        )  # fmt: skip
         lm.patched = stack  # the model stays patched while the LM lives
         return lm
 
@@ -192,8 +199,9 @@ class EvictionLM(HFLM):
         began = time.perf_counter()
         session = self.session
         cache = EvictionCache(
-            self.model, session.policy, protocol=session.protocol, kernels=self.kernels, decoding=session.decoding
-        )
+            self.model, session.policy, protocol=session.protocol, kernels=self.kernels, decoding=session.decoding,
+            graphs=self.graphs,
+        )  # fmt: skip
         if cache.policy.needs_answer:
             raise ConfigError(
                 f"policy {cache.policy.name!r} needs each request's full-cache answer, which lm-eval's "
@@ -221,6 +229,7 @@ def check_settings(
     budget: float | int = 0.2,
     protocol: str = "simulate",
     kernels: str = "auto",
+    graphs: bool = True,
     device: str = "auto",
     dtype: str = "auto",
     batch_size: int | str = 1,
@@ -245,6 +254,8 @@ def check_settings(
         )
     built = make_policy(policy, budget, **(policy_settings(policy) | params))
     check_protocol(built, protocol, kernels)
+    if not isinstance(graphs, bool):
+        raise ConfigError(f"graphs={graphs!r}: use true or false")
     if not str(batch_size).isdigit() or int(batch_size) < 1:
         raise ConfigError(f"--batch_size {batch_size}: use a number >= 1 (eviction needs each batch's layout)")
     if str(device).startswith("cuda") and not torch.cuda.is_available():

@@ -34,6 +34,7 @@ NOT_IDENTITY = (
     "device",
     "data_dir",
     "kernels",
+    "graphs",
     "threads",
 )
 # What every record holds and the plot reads; a JSON file without these is not a record.

@@ -262,6 +262,7 @@ class LmEvalRunner(Runner):
                 batch_size=config["batch_size"],
                 session=session,
                 kernels=config["kernels"],
+                graphs=config["graphs"],
                 task=lm_task,
             )
             seed = config["seed"]

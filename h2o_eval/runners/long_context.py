@@ -226,11 +226,8 @@ class _Run:
     def _caches(self, members: list[int], protocol: str) -> dict[int, Any]:
         from h2o_eval.cache import EvictionCache
 
-        kernels, decoding = self.config["kernels"], self.config["decoding"]
-        return {
-            i: EvictionCache(self.model, self.cells[i][0], protocol=protocol, kernels=kernels, decoding=decoding)
-            for i in members
-        }
+        settings = {name: self.config[name] for name in ("kernels", "decoding", "graphs")}
+        return {i: EvictionCache(self.model, self.cells[i][0], protocol=protocol, **settings) for i in members}
 
     def _answer(self, i: int, cache: Any, batch: Any, seconds: float, units: list[tuple[Prompt, int]]) -> None:
         """Decode one batch of questions through cell ``i``'s ``cache`` and keep its outputs; ``seconds`` already

@@ -164,6 +164,7 @@ class SummarisationRunner(Runner):
                 protocol=protocol,
                 kernels=config["kernels"],
                 decoding=config["decoding"],
+                graphs=config["graphs"],
                 max_new_tokens=max_new_tokens,
                 do_sample=settings["sample"],
                 temperature=settings["temperature"] if settings["sample"] else None,
