@@ -13,6 +13,7 @@ import torch
 from conftest import REPO
 
 from h2o_eval.benchmarks import decode_speed, same_numbers, stacked_decode
+from h2o_eval.decode import bucket
 from h2o_eval.models import load_model
 
 BENCHMARKS = sorted(path.stem for path in (REPO / "h2o_eval" / "benchmarks").glob("*.py") if path.stem != "__init__")
@@ -36,7 +37,10 @@ def test_decode_speed_full_cache_generates_plain_generate_tokens_and_h2o_holds_a
     _, _, full, full_bytes = generated(model, "full", ids)
     _, _, h2o, h2o_bytes = generated(model, "h2o:context", ids)
     assert plain.shape == (2, NEW_TOKENS) and torch.equal(full, plain)
-    assert full_bytes == plain_bytes
+    # Plain holds each token fed (the prompt and every new token but the last); the full cache holds them in buffers
+    # that grow a bucket at a time, which the first decode step opened.
+    fed = 64 + QUESTION + NEW_TOKENS - 1
+    assert full_bytes == plain_bytes // fed * bucket(64 + QUESTION + 1)
     assert h2o_bytes <= 0.3 * plain_bytes
     assert not torch.equal(h2o, plain), "eviction changed no token: the comparison proves little"
 
@@ -92,9 +96,10 @@ def test_every_benchmark_command_line_parses(name, monkeypatch, capsys):
 
 
 def test_gpu_check_finds_the_kernels_equal_on_the_cpu_and_fails_on_a_difference(monkeypatch, capsys):
-    """Reference: the check's own claim (kernels=triton generates what kernels=torch does, and the full cache what
-    plain generate does), which the interpreted kernels meet; then a triton run that generates other tokens must
-    be a DIFF line and exit status 1."""
+    """Reference: the check's own claim (kernels=triton generates what kernels=torch does, graphs what eager decoding
+    does, and the full cache what plain generate does), which the interpreted kernels meet (on the CPU the graphs
+    run eagerly); then a triton run, or a graphed one, that generates other tokens must be a DIFF line and exit
+    status 1."""
     from h2o_eval import generation
     from h2o_eval.benchmarks import gpu_check
 
@@ -104,22 +109,34 @@ def test_gpu_check_finds_the_kernels_equal_on_the_cpu_and_fails_on_a_difference(
     out = capsys.readouterr().out.splitlines()
     assert done.value.code == 0
     assert [line.split(":")[0] for line in out[:-1]] == [
-        f"ok   tiny-llama3 float32 {protocol} {name}" for protocol in ("prefill", "context") for name in ("full", "h2o")
+        f"ok   tiny-llama3 float32 {protocol} {decoding} {name}"
+        for protocol in ("prefill", "context")
+        for decoding in ("evict", "grow")
+        for name in ("full", "h2o")
     ]
     assert "tokens equal plain generate's True" in out[0]
     real = generation.generate
 
-    def other_tokens(*args, kernels, **kwargs):
-        tokens, cache = real(*args, kernels=kernels, **kwargs)
-        return (tokens + 1 if kernels == "triton" else tokens), cache
+    for differs, wrong in (
+        (lambda kernels, graphs: kernels == "triton", "kernels"),
+        (lambda k, graphs: graphs, "graphs"),
+    ):
 
-    monkeypatch.setattr(generation, "generate", other_tokens)
-    with pytest.raises(SystemExit) as done:
-        gpu_check.main([*options[:-2], "h2o"])
-    out = capsys.readouterr().out.splitlines()
-    assert done.value.code == 1
-    assert out[0].startswith("DIFF tiny-llama3 float32 prefill h2o: tokens equal False, held equal True")
-    assert out[-1] == "gpu_check: 2 float32 case(s) differ between kernels=torch and kernels=triton"
+        def other_tokens(*args, kernels, graphs, differs=differs, **kwargs):
+            tokens, cache = real(*args, kernels=kernels, graphs=graphs, **kwargs)
+            return (tokens + 1 if differs(kernels, graphs) else tokens), cache
+
+        monkeypatch.setattr(generation, "generate", other_tokens)
+        with pytest.raises(SystemExit) as done:
+            gpu_check.main([*options[:-2], "h2o"])
+        out = capsys.readouterr().out.splitlines()
+        assert done.value.code == 1
+        assert out[0].startswith("DIFF tiny-llama3 float32 prefill evict h2o: ")
+        assert (
+            f"{wrong}" + (": tokens equal False" if wrong == "kernels" else " (0 replays): tokens equal False")
+            in out[0]
+        )
+        assert out[-1] == "gpu_check: 4 float32 case(s) differ (kernels=torch against triton, or graphs against eager)"
 
 
 def test_gpu_check_refuses_an_unknown_policy_in_one_line(capsys):

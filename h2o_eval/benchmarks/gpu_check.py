@@ -1,15 +1,17 @@
 """Correctness on a GPU, end to end: every policy that holds a cache generates with ``kernels=triton`` (the compiled
-Triton kernels) what it generates with ``kernels=torch`` (their PyTorch references) on the same device, and the
-full cache generates what plain ``generate`` does.
+Triton kernels) what it generates with ``kernels=torch`` (their PyTorch references) on the same device, its decode
+steps replayed as CUDA graphs what they generate eagerly, and the full cache what plain ``generate`` does.
 
     python -m h2o_eval.benchmarks.gpu_check [--models tiny-llama3 tiny-gemma3] [--dtypes float32 bfloat16]
 
-For each model, dtype, protocol (prefill, context) and policy (budget 0.5): two left-padded random prompts of 96
-tokens, 12 greedy new tokens under each kernel setting, then one line: whether the tokens are equal, whether every
-layer holds the same positions, and how far the held slots' scores are apart. The tests prove the same in
-Triton's interpreter on the CPU (``tests/test_kernels.py``); this is the check a GPU needs, where the kernels are
-compiled. A float32 difference is a failure (exit status 1). In bfloat16 a rounding may break a tie the other
-way, so differences are shown (``DIFF``) but do not fail.
+For each model, dtype, protocol (prefill, context), decoding rule (evict, grow) and policy (budget 0.5): two
+left-padded random prompts of 96 tokens, 12 greedy new tokens under ``kernels=torch`` and ``kernels=triton``
+(eager), and under ``kernels=triton`` with CUDA graphs; then one line: whether the tokens are equal, whether every
+layer holds the same positions, how far the held slots' scores are apart, for the kernels and for the graphs (and
+how many steps were replays). The tests prove the same in Triton's interpreter and with recorded graphs on the
+CPU (``tests/test_kernels.py``, ``tests/test_graphs.py``); this is the check a GPU needs, where the kernels are
+compiled and the graphs are CUDA's. A float32 difference is a failure (exit status 1). In bfloat16 a rounding may
+break a tie the other way, so differences are shown (``DIFF``) but do not fail.
 """
 
 from __future__ import annotations
@@ -46,27 +48,53 @@ def score_gap(first: Any, second: Any) -> float:
     return gap
 
 
+def same(first: Any, second: Any) -> tuple[bool, float]:
+    """Whether two caches hold the same positions in every layer, and the largest difference of their scores."""
+    held, other = held_positions(first), held_positions(second)
+    equal = len(held) == len(other) and all(
+        a.shape == b.shape and torch.equal(a, b) for a, b in zip(held, other, strict=True)
+    )
+    return equal, score_gap(first, second)
+
+
 def compare(
-    model: Any, tokenizer: Any, name: str, protocol: str, ids: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, bool, float]:
-    """One policy under both kernel settings: (its tokens with torch, with triton, whether every layer holds the
-    same positions, the largest score difference)."""
+    model: Any, tokenizer: Any, name: str, protocol: str, decoding: str, ids: torch.Tensor, mask: torch.Tensor
+) -> dict[str, tuple[torch.Tensor, Any]]:
+    """One policy under ``kernels=torch``, ``kernels=triton`` and ``kernels=triton`` replayed as CUDA graphs: each
+    run's (tokens, cache)."""
     from h2o_eval.generation import Batch, generate, greedy
     from h2o_eval.policies import make_policy
 
     settings = greedy(NEW_TOKENS, tokenizer.pad_token_id)
     runs = {}
-    for kernels in ("torch", "triton"):
+    for run, kernels, graphs in (("torch", "torch", False), ("triton", "triton", False), ("graphs", "triton", True)):
         batch = Batch(ids, mask, context_width=CONTEXT if protocol == "context" else None)
         with torch.no_grad():
             policy = make_policy(name, budget=BUDGET)
-            runs[kernels] = generate(model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, **settings)
-    (tokens, cache), (tokens_triton, cache_triton) = runs["torch"], runs["triton"]
-    held, held_triton = held_positions(cache), held_positions(cache_triton)
-    same_held = len(held) == len(held_triton) and all(
-        a.shape == b.shape and torch.equal(a, b) for a, b in zip(held, held_triton, strict=True)
+            runs[run] = generate(
+                model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, decoding=decoding,
+                graphs=graphs, **settings,
+            )  # fmt: skip
+    return runs
+
+
+def verdict(runs: dict[str, tuple[torch.Tensor, Any]], plain: torch.Tensor | None, strict: bool) -> tuple[bool, str]:
+    """Whether the runs agree (triton with torch, graphs with eager triton, and, given ``plain``, the full cache with
+    plain ``generate``), and the line that says how."""
+    (tokens, cache), (tokens_triton, cache_triton), (tokens_graphs, cache_graphs) = runs.values()
+    held, gap = same(cache, cache_triton)
+    held_graphs, gap_graphs = same(cache_triton, cache_graphs)
+    kernels_equal, graphs_equal = torch.equal(tokens, tokens_triton), torch.equal(tokens_triton, tokens_graphs)
+    replays = cache_graphs.graphs.replays if cache_graphs.graphs is not None else 0
+    line = (
+        f"kernels: tokens equal {kernels_equal}, held equal {held}, scores off by {gap:.1e}; graphs ({replays} "
+        f"replays): tokens equal {graphs_equal}, held equal {held_graphs}, scores off by {gap_graphs:.1e}"
     )
-    return tokens, tokens_triton, same_held, score_gap(cache, cache_triton)
+    ok = kernels_equal and held and graphs_equal and held_graphs
+    if plain is not None:
+        ok &= not strict or torch.equal(tokens_triton, plain)
+        line += f"; tokens equal plain generate's {torch.equal(tokens_triton, plain)}"
+    return ok, line
 
 
 def check(models: Sequence[str], dtypes: Sequence[str], device: str, policies: Sequence[str] | None = None) -> int:
@@ -90,23 +118,19 @@ def check(models: Sequence[str], dtypes: Sequence[str], device: str, policies: S
                 plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
             strict = dtype == "float32"
             for protocol in ("prefill", "context"):
-                for name in names:
-                    case = f"{model_name} {dtype} {protocol} {name}"
-                    try:
-                        tokens, tokens_triton, same_held, gap = compare(model, tokenizer, name, protocol, ids, mask)
-                    except Exception as error:  # a case that cannot run is a failure line; the others still run
-                        traceback.print_exc()
-                        failures += 1
-                        print(f"FAIL {case}: {type(error).__name__}: {error}".splitlines()[0], flush=True)
-                        continue
-                    same_tokens = torch.equal(tokens, tokens_triton)
-                    line = f"{case}: tokens equal {same_tokens}, held equal {same_held}, scores off by {gap:.1e}"
-                    ok = same_tokens and same_held
-                    if name == "full" and protocol == "prefill":
-                        ok &= not strict or torch.equal(tokens_triton, plain)
-                        line += f", tokens equal plain generate's {torch.equal(tokens_triton, plain)}"
-                    failures += strict and not ok
-                    print(f"{'ok  ' if ok else 'DIFF'} {line}", flush=True)
+                for decoding in ("evict", "grow"):
+                    for name in names:
+                        case = f"{model_name} {dtype} {protocol} {decoding} {name}"
+                        try:
+                            runs = compare(model, tokenizer, name, protocol, decoding, ids, mask)
+                        except Exception as error:  # a case that cannot run is a failure line; the others still run
+                            traceback.print_exc()
+                            failures += 1
+                            print(f"FAIL {case}: {type(error).__name__}: {error}".splitlines()[0], flush=True)
+                            continue
+                        ok, line = verdict(runs, plain if name == "full" and protocol == "prefill" else None, strict)
+                        failures += strict and not ok
+                        print(f"{'ok  ' if ok else 'DIFF'} {case}: {line}", flush=True)
     return failures
 
 
@@ -125,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         failures = check(args.models, args.dtypes, args.device, args.policies)
     except ConfigError as error:
         parser.exit(2, f"error: {error}\n")
-    print(f"gpu_check: {failures} float32 case(s) differ between kernels=torch and kernels=triton")
+    print(f"gpu_check: {failures} float32 case(s) differ (kernels=torch against triton, or graphs against eager)")
     sys.exit(1 if failures else 0)
 
 
