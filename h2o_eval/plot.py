@@ -38,291 +38,27 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import figures, plot_needle, results, stats
+from h2o_eval import figures, plot_needle, stats
+from h2o_eval.reports.paired import paired_markdown, paired_rows, significant_settings, write_paired
+from h2o_eval.reports.tables import (
+    COLUMNS,
+    compute,
+    limit_label,
+    limit_order,
+    markdown,
+    mixed_limits,
+    percent,
+    policies_per_task,
+    setting_key,
+    shared_note,
+    side_by_side,
+    table,
+    write_tables,
+)
 from h2o_eval.results import read_records
-from h2o_eval.settings import flatten, questions, questions_label, report_labels
+from h2o_eval.settings import questions_label, report_labels
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
-PRIMARY_METRIC = {"xsum": "rouge2", "cnn_dailymail": "rouge2"}
-COLUMNS = (
-    "task",
-    "model",
-    "protocol",
-    "policy",
-    "budget",
-    "metric",
-    "value",
-    "stderr",
-    "n_samples",
-    "num_fewshot",
-    "limit",
-)
-
-
-def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
-    """One row per run with a fraction budget: the task's primary metric (the record's ``metric``, else ``acc``,
-    ``rouge2`` for summarisation, ``string_match_all`` or ``string_match_part`` for long context) unless ``metric``
-    names another, sorted by task, model, protocol, policy and budget. A long-context task is one task per prompt
-    length (``niah_single@4096``): its documents, and so its comparisons, differ with it.
-
-    A row's ``policy`` is its label: the policy's name (``method``) and each departure from the defaults that not
-    every row shares (``snapkv (window=8)``, ``h2o (decoding=grow)``, ``full (4 questions per context)``:
-    :func:`h2o_eval.settings.report_labels`); ``shared`` names those every row shares. A row also has
-    ``questions`` (per context, None outside long context) and ``policy_without_questions``, its label without
-    them, for reports that name each task's questions per context once (the shared-context leaderboard asks cwe,
-    fwe and qa_2 one question, the other tasks four). Of records that are one setting (one identity), the newest
-    is kept; two records that would share a row with different identities (data files that changed, say) raise
-    ValueError naming what differs."""
-    kept = []
-    for record in records:
-        name = metric or stats.primary_metric(record, PRIMARY_METRIC.get(record["task"], "acc"))
-        if name in record["metrics"] and isinstance(record["budget"], float):
-            kept.append((record, name))
-    own, shared = report_labels([r["config"] for r, _ in kept], [r["policy_params"] for r, _ in kept])
-    newest: dict[tuple, dict[str, Any]] = {}
-    for (record, name), departures in sorted(zip(kept, own, strict=True), key=lambda item: item[0][0]["created"]):
-        row = {
-            "task": record["task"] + (f"@{record['length']}" if "length" in record else ""),
-            "length": record.get("length"),
-            "model": record["model"],
-            "protocol": record["protocol"],
-            "policy": record["policy"] + _departures_label(departures.values()),
-            "policy_without_questions": record["policy"]
-            + _departures_label(text for key, text in departures.items() if key != "task.questions"),
-            "questions": questions(record["config"]),
-            "method": record["policy"],
-            "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
-            "shared": tuple(shared),
-            "budget": record["budget"],
-            "metric": name,
-            "value": record["metrics"][name],
-            "stderr": record["metrics"].get(f"{name}_stderr"),
-            "n_samples": record["n_samples"],
-            "num_fewshot": record["num_fewshot"],
-            "limit": record["limit"],
-            "outputs": record.get("outputs"),
-            "wall_seconds": record.get("wall_seconds"),
-            "created": record["created"],
-            "identity": results.record_identity(record),
-        }
-        key = tuple(row[c] for c in COLUMNS if c not in ("value", "stderr", "n_samples"))
-        if key in newest:
-            _check_one_setting(newest[key], row)
-        newest[key] = row
-    return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
-
-
-def _departures_label(texts: Collection[str]) -> str:
-    texts = list(texts)
-    return f" ({', '.join(texts)})" if texts else ""
-
-
-def _check_one_setting(older: dict[str, Any], newer: dict[str, Any]) -> None:
-    """Two records that would be one row: reruns of one setting (kept: the newer), or different settings that no
-    label tells apart, refused in one line naming what differs."""
-    before, after = flatten(older["identity"]), flatten(newer["identity"])
-    differ = sorted(key for key in before.keys() | after.keys() if before.get(key) != after.get(key))
-    if differ:
-        raise ValueError(
-            f"{newer['task']} {newer['model']} {newer['policy']} {newer['protocol']} at {_percent(newer['budget'])}: "
-            f"two records differ in {', '.join(differ)}, which no report column shows: plot them from separate "
-            "results dirs"
-        )
-
-
-def shared_note(rows: list[dict[str, Any]]) -> str:
-    """The settings every row of a report shares beyond its columns (``decoding=grow, 4 questions per context``),
-    as a clause for a title, or ""."""
-    return ", ".join(rows[0]["shared"]) if rows else ""
-
-
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (value ± stderr), after the settings every row shares."""
-    lines = [
-        *([f"Every row, where it applies: {shared_note(rows)}.", ""] if shared_note(rows) else []),
-        "| task | model | protocol | policy | budget | metric | value | n | shots | limit |",
-        "|---|---|---|---|---:|---|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        value = f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if r["stderr"] is not None else "")
-        lines.append(
-            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {_percent(r['budget'])} | {r['metric']} "
-            f"| {value} | {r['n_samples']} | {r['num_fewshot']} | {r['limit']} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def compute(rows: list[dict[str, Any]]) -> str:
-    """What the rows cost: their records' summed ``wall_seconds`` and the span from the first run's start
-    (``created`` minus its ``wall_seconds``) to the last run's end, the elapsed time when they ran in one go; a
-    paragraph to append to a table, empty when no record holds ``wall_seconds``."""
-    timed = [r for r in rows if r.get("wall_seconds") is not None]
-    if not timed:
-        return ""
-    starts = [datetime.fromisoformat(r["created"]) - timedelta(seconds=r["wall_seconds"]) for r in timed]
-    ends = [datetime.fromisoformat(r["created"]) for r in timed]
-    summed = sum(r["wall_seconds"] for r in timed)
-    span = (max(ends) - min(starts)).total_seconds()
-    return (
-        f"\nCompute: {len(timed)} records, {summed:,.0f} s of run time summed (`wall_seconds`); they ran from "
-        f"{min(starts):%Y-%m-%d %H:%M} to {max(ends):%Y-%m-%d %H:%M} UTC, {span:,.0f} s elapsed.\n"
-    )
-
-
-def mixed_limits(rows: list[dict[str, Any]]) -> dict[str, list[int | float | None]]:
-    """Tasks whose rows were scored on different ``limit``s (document counts), with those limits: their
-    numbers are not comparable, so figures and tables keep them apart."""
-    limits: dict[str, set] = {}
-    for r in rows:
-        limits.setdefault(r["task"], set()).add(r["limit"])
-    return {task: sorted(found, key=_limit_order) for task, found in limits.items() if len(found) > 1}
-
-
-def _percent(budget: float) -> str:
-    return f"{100 * budget:.3g}%"
-
-
-def _limit_order(limit: int | float | None) -> tuple[bool, float]:
-    return limit is None, limit or 0
-
-
-def _limit_label(limit: int | float | None) -> str:
-    return f"limit={limit}" if limit is not None else "all documents"
-
-
-def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
-    """A Markdown table with a row per (task, model) and a column per policy (and protocol) at ``budget``,
-    beside the full cache: the comparison a budget is chosen for. Values are ``value ± stderr``; a setting
-    that has no record is left empty. Records of a task scored on different ``limit``s get a row each."""
-    columns = sorted({(r["policy"], r["protocol"]) for r in rows if r["method"] != "full" and r["budget"] == budget})
-    keys = sorted({(r["task"], r["model"], r["limit"]) for r in rows}, key=lambda k: (*k[:2], _limit_order(k[2])))
-    cell = {(r["task"], r["model"], r["limit"], r["policy"], r["protocol"]): r for r in rows if r["budget"] == budget}
-    full = {(r["task"], r["model"], r["limit"]): r for r in rows if r["method"] == "full"}
-    mixed = mixed_limits(rows)
-
-    def show(r: dict[str, Any] | None) -> str:
-        if r is None:
-            return ""
-        return f"{r['value']:.3f}" + (f" ± {r['stderr']:.3f}" if r["stderr"] is not None else "")
-
-    header = ["task", "model", "metric", "n", "full", *(f"{p} ({protocol})" for p, protocol in columns)]
-    lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|" + "---:|" * (len(columns) + 1)]
-    for task, model, limit in keys:
-        some = next(r for r in rows if (r["task"], r["model"], r["limit"]) == (task, model, limit))
-        values = [show(full.get((task, model, limit))), *(show(cell.get((task, model, limit, *c))) for c in columns)]
-        name = f"{model} ({_limit_label(limit)})" if task in mixed else model
-        lines.append(f"| {task} | {name} | {some['metric']} | {some['n_samples']} | " + " | ".join(values) + " |")
-    return f"Budget {_percent(budget)} of the cache:\n\n" + "\n".join(lines) + "\n"
-
-
-def _setting(row: dict[str, Any]) -> tuple:
-    return row["task"], row["model"], row["protocol"], row["policy"], row["budget"], row["limit"]
-
-
-def _baseline(rows: list[dict[str, Any]], row: dict[str, Any], against: str) -> dict[str, Any] | None:
-    """The row ``row`` is compared with: ``against`` on the same task, model, documents, shots and metric; at the
-    same budget and protocol, except the full cache, whose protocol does not change what it holds (the same
-    protocol is preferred when there are several)."""
-    same = ("task", "model", "limit", "num_fewshot", "metric") + (() if against == "full" else ("protocol", "budget"))
-    found = [r for r in rows if r["method"] == against and all(r[key] == row[key] for key in same)]
-    return min(found, key=lambda r: (r["protocol"] != row["protocol"], r["context"] != row["context"]), default=None)
-
-
-def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "full") -> list[dict[str, Any]]:
-    """Each row (but ``against``'s own) compared question by question with its baseline (see :func:`_baseline`):
-    the row plus ``against``, ``baseline`` (its value), ``paired`` (a :class:`~h2o_eval.stats.Paired`) and
-    ``pairs`` (the aligned per-question scores and each question's document). Rows without per-question scores,
-    without a baseline or scored on other questions than it are left out. A setting run on several tasks also
-    gets a row whose task is ``mean of N tasks``: the mean of the per-task differences, resampled within each
-    task (none when a task was scored on several ``limit`` values: which documents stand for it is not the
-    table's to choose); its tasks may differ in their questions per context (:func:`policies_per_task`)."""
-    documents: dict[str | None, dict] = {}
-
-    def scores(row: dict[str, Any]) -> dict:
-        if row["outputs"] not in documents:
-            documents[row["outputs"]] = stats.question_scores(row, results_dir, row["metric"])
-        return documents[row["outputs"]]
-
-    compared = []
-    for row in rows:
-        base = _baseline(rows, row, against) if row["method"] != against else None
-        if base is None or not scores(row) or not scores(base):
-            continue
-        pairs = stats.align(scores(row), scores(base))
-        if pairs is not None:
-            compared.append(
-                {**row, "against": against, "baseline": base["value"], "paired": stats.paired(*pairs), "pairs": pairs}
-            )
-    settings: dict[tuple, list[dict[str, Any]]] = {}
-    for row, policy in zip(compared, policies_per_task(compared), strict=True):
-        settings.setdefault((row["model"], row["protocol"], policy, row["budget"], row["metric"]), []).append(row)
-    for (model, protocol, policy, budget, metric), group in settings.items():
-        repeated = mixed_limits(group)
-        if repeated:
-            print(
-                f"note: no mean over tasks for {model} {policy} {protocol} at {_percent(budget)}: "
-                f"{', '.join(repeated)} scored on several limits (give each limit's records a results dir of its own)",
-                file=sys.stderr,
-            )
-        elif len(group) > 1:
-            paired = stats.paired_mean([row["pairs"] for row in group])
-            compared.append(
-                {
-                    "task": f"mean of {len(group)} tasks",
-                    "model": model,
-                    "protocol": protocol,
-                    "policy": policy,
-                    "budget": budget,
-                    "metric": metric,
-                    "value": sum(row["value"] for row in group) / len(group),
-                    "limit": None,
-                    "against": against,
-                    "baseline": sum(row["baseline"] for row in group) / len(group),
-                    "paired": paired,
-                }
-            )
-    return compared
-
-
-def paired_markdown(compared: list[dict[str, Any]]) -> str:
-    """The paired comparisons as a Markdown table. The verdict is the primary test's: ``*`` marks p < 0.05; the
-    interval is secondary. Cells where too few documents differ for any p below 0.05 say so, and the header says
-    where several questions per document make the per-question McNemar test invalid."""
-    against = compared[0]["against"] if compared else "full"
-    clustered = any(r["paired"].clustered for r in compared)
-    lines = [
-        f"Paired against {against} on the same questions. **Primary test (the verdict): p**, a two-sided sign-flip "
-        "permutation test of the mean difference that flips each document's questions together (mid-p; for 0/1 "
-        "scores with one question per document it is McNemar's mid-p test; the test column names it); "
-        f"* p < {stats.ALPHA}. Its false-positive rate with no true difference is at most 5 % at n = 20-100 "
-        "(simulated: `python -m h2o_eval.stats`). Secondary: the difference (policy − "
-        f"{against}) with its 95 % interval from a bootstrap that resamples documents ({stats.RESAMPLES:,} "
-        f"resamples, seed {stats.SEED}); it is too narrow with few documents (6-13 % false positives at 10-20 in "
-        "that simulation).",
-        *(
-            [
-                "",
-                "Some cells hold several questions per document: McNemar's test is per question and assumes "
-                "independent questions, so it is omitted there; their p is the document-level test.",
-            ]
-            if clustered
-            else []
-        ),
-        "",
-        f"| task | model | protocol | policy | budget | metric | n | documents | value | {against} "
-        "| difference [95 % CI] | p | test |",
-        "|---|---|---|---|---:|---|---:|---:|---:|---:|---|---:|---|",
-    ]
-    for r in compared:
-        p = r["paired"]
-        verdict = " *" if p.significant else "" if p.test.decidable else " (too few documents differ for p < 0.05)"
-        lines.append(
-            f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {_percent(r['budget'])} | {r['metric']} "
-            f"| {p.n} | {p.documents} | {r['value']:.3f} | {r['baseline']:.3f} "
-            f"| {p.difference:+.3f} [{p.low:+.3f}, {p.high:+.3f}] | {p.test.p:.3g}{verdict} | {p.test.name} |"
-        )
-    return "\n".join(lines) + "\n"
-
 
 BUDGET_SHARE = {"simulate": "the sequence", "prefill": "the prompt", "context": "the context"}
 REFERENCE_POLICIES = ("full", "oracle")
@@ -353,12 +89,12 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     the full cache beyond chance."""
     import matplotlib.pyplot as plt
 
-    rows = [{**r, "ringed": _setting(r) in significant} for r in rows if r["task"] == task]
+    rows = [{**r, "ringed": setting_key(r) in significant} for r in rows if r["task"] == task]
     asked = _questions_of_task(rows)
     if asked:  # the task's one count of questions per context goes in the title, not in every line's label
         rows = [{**r, "policy": r["policy_without_questions"]} for r in rows]
     if task in mixed_limits(rows):  # a (model, limit) pair is drawn as a model of its own
-        rows = [{**r, "model": f"{r['model']}, {_limit_label(r['limit'])}"} for r in rows]
+        rows = [{**r, "model": f"{r['model']}, {limit_label(r['limit'])}"} for r in rows]
     models = sorted({r["model"] for r in rows})
     protocols = sorted({r["protocol"] for r in rows if r["method"] != "full"} or {r["protocol"] for r in rows})
     method = {r["policy"]: r["method"] for r in rows}
@@ -456,22 +192,6 @@ def _task_order(task: str) -> tuple[int, str]:
     return (RULER_TASKS.index(task) if task in RULER_TASKS else len(RULER_TASKS)), task
 
 
-def policies_per_task(rows: list[dict[str, Any]]) -> list[str]:
-    """Each row's policy label in a report over several tasks (a headline, a mean over tasks): without its
-    questions per context where every row of its task (model and length) was asked one count, which the report
-    then names per task (see :func:`questions_note`), so that a policy's tasks asked 4 and 1 questions stay one
-    setting; with them where the task was asked several counts, which only the label tells apart."""
-    asked: dict[tuple, set] = {}
-    for row in rows:
-        asked.setdefault((row["model"], row["length"], row["task"]), set()).add(row["questions"])
-    return [
-        row["policy_without_questions"]
-        if len(asked[(row["model"], row["length"], row["task"])]) == 1
-        else row["policy"]
-        for row in rows
-    ]
-
-
 def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
     """The headline of each long-context setting (model, protocol, length, policy, budget): ``tasks``, each
     task's score x100 (its own metric) as a :class:`~h2o_eval.stats.Estimate` with its document-bootstrap
@@ -515,7 +235,7 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
         if len(found) > 1:
             raise ValueError(
                 f"{task} of {model} at {length} tokens was scored on "
-                f"{' and '.join(map(_limit_label, sorted(found, key=_limit_order)))}: "
+                f"{' and '.join(map(limit_label, sorted(found, key=limit_order)))}: "
                 "give each limit's records a results dir of its own"
             )
     for setting in settings.values():
@@ -535,11 +255,11 @@ def limits_label(limits: dict[str, int | float | None]) -> str:
         tasks.setdefault(limits[task], []).append(task)
     common = max(tasks, key=lambda limit: len(tasks[limit]))
     others = [
-        f"{', '.join(named)}: {_limit_label(limit).removeprefix('limit=')}"
+        f"{', '.join(named)}: {limit_label(limit).removeprefix('limit=')}"
         for limit, named in tasks.items()
         if limit != common
     ]
-    return "; ".join([_limit_label(common), *others])
+    return "; ".join([limit_label(common), *others])
 
 
 def questions_note(asked: dict[str, int | None]) -> str:
@@ -599,7 +319,7 @@ def headline_markdown(settings: list[dict[str, Any]]) -> str:
         model = f"{s['model']} ({'; '.join(filter(None, named))})" if any(named) else s["model"]
         cells = [_estimate(s["tasks"][task]) if task in s["tasks"] else "" for task in tasks]
         lines.append(
-            f"| {model} | {s['protocol']} | {s['length']} | {s['policy']} | {_percent(s['budget'])} "
+            f"| {model} | {s['protocol']} | {s['length']} | {s['policy']} | {percent(s['budget'])} "
             f"| {_estimate(s['mean'])} | {tasks_label(s['tasks'])} | " + " | ".join(cells) + " |"
         )
     return "\n".join(lines) + "\n"
@@ -824,30 +544,18 @@ def write(
     compared: list[dict[str, Any]] | None = None,
     headline: list[dict[str, Any]] | None = None,
 ) -> list[Path]:
-    """Figures (PNG, PDF) per task plus ``summary.csv`` and ``summary.md`` under ``out``, for each budget in
-    ``at`` the policies side by side in ``at_<budget>.md``, the ``compared`` rows of :func:`paired_rows` in
-    ``paired_<against>.md`` (ringing, when they are against the full cache, the significant points of the
-    figures), and the long-context settings of :func:`long_context` in ``headline.md``; returns the files."""
+    """Figures (PNG, PDF) per task plus the tables of :func:`~h2o_eval.reports.tables.write_tables` under ``out``,
+    the ``compared`` rows of :func:`~h2o_eval.reports.paired.paired_rows` in ``paired_<against>.md`` (ringing,
+    when they are against the full cache, the significant points of the figures), and the long-context settings of
+    :func:`long_context` in ``headline.md``; returns the files."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
     compared = compared or []
-    significant = frozenset(
-        _setting(r) for r in compared if r["against"] == "full" and r["paired"].significant and "pairs" in r
-    )
+    significant = significant_settings(compared)
     for task in sorted({r["task"] for r in rows}):
         written += figures.save(figure(rows, task, significant), out / task, dpi=150)
-    with (out / "summary.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    (out / "summary.md").write_text(markdown(rows) + compute(rows))
-    written += [out / "summary.csv", out / "summary.md"]
-    for budget in at or []:
-        written.append(out / f"at_{budget:g}.md")
-        written[-1].write_text(side_by_side(rows, budget))
-    if compared:
-        written.append(out / f"paired_{compared[0]['against']}.md")
-        written[-1].write_text(paired_markdown(compared))
+    written += write_tables(rows, out, at)
+    written += write_paired(compared, out)
     if headline:
         written.append(out / "headline.md")
         written[-1].write_text(headline_markdown(headline))
@@ -1133,7 +841,7 @@ def _plot(args: argparse.Namespace, out: Path) -> None:
         return
     for task, limits in mixed_limits(rows).items():
         print(
-            f"note: {task} has records of {', '.join(map(_limit_label, limits))}: they are drawn and tabled apart",
+            f"note: {task} has records of {', '.join(map(limit_label, limits))}: they are drawn and tabled apart",
             file=sys.stderr,
         )
     compared = paired_rows(rows, args.results_dir, args.against)

@@ -11,6 +11,7 @@ from conftest import record_settings
 from matplotlib.collections import PathCollection
 
 from h2o_eval import plot, results, stats
+from h2o_eval.reports import paired, tables
 
 
 def fake_record(
@@ -48,7 +49,7 @@ def results_dir(tmp_path):
 
 
 def test_table_keeps_the_newest_record_per_setting_and_the_primary_metric(results_dir):
-    rows = plot.table(results.load_records(results_dir))
+    rows = tables.table(results.load_records(results_dir))
     copa_h2o = [
         (r["budget"], r["value"])
         for r in rows
@@ -60,13 +61,13 @@ def test_table_keeps_the_newest_record_per_setting_and_the_primary_metric(result
 
 
 def test_side_by_side_puts_each_policy_and_protocol_of_one_budget_beside_the_full_cache(results_dir, tmp_path):
-    rows = plot.table(results.load_records(results_dir))
-    lines = plot.side_by_side(rows, 0.2).splitlines()
+    rows = tables.table(results.load_records(results_dir))
+    lines = tables.side_by_side(rows, 0.2).splitlines()
     assert lines[2] == "| task | model | metric | n | full | h2o (prefill) | h2o (simulate) | local (simulate) |"
     assert "| copa | tiny-llama | acc | 10 | 0.700 ± 0.050 | 0.660 ± 0.050 | 0.650 ± 0.050 | 0.550 ± 0.050 |" in lines
     assert "| xsum | tiny-llama | rouge2 | 10 |  |  | 0.040 ± 0.050 |  |" in lines  # no full-cache xsum record
     plot.main([str(results_dir), "--out", str(tmp_path / "plots"), "--at", "0.1", "0.2"])
-    assert (tmp_path / "plots" / "at_0.2.md").read_text() == plot.side_by_side(rows, 0.2)
+    assert (tmp_path / "plots" / "at_0.2.md").read_text() == tables.side_by_side(rows, 0.2)
     assert "0.600 ± 0.050" in (tmp_path / "plots" / "at_0.1.md").read_text()
 
 
@@ -172,8 +173,8 @@ def test_plot_skips_a_truncated_record_and_a_foreign_json_naming_them(results_di
     assert f"warning: skipped {results_dir / 'foreign.json'} is not a record (no model, task" in warnings[0]
     assert warnings[1].startswith(f"warning: skipped {results_dir / 'truncated.json'} is not valid JSON")
     assert len(warnings) == 2
-    assert (tmp_path / "plots" / "summary.md").read_text() == plot.markdown(
-        plot.table(results.load_records(results_dir))
+    assert (tmp_path / "plots" / "summary.md").read_text() == tables.markdown(
+        tables.table(results.load_records(results_dir))
     )
 
 
@@ -183,7 +184,7 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
             tmp_path / f"r{number}.json", {**fake_record("copa", "h2o", budget, value), "limit": limit}
         )
     results.write_record(tmp_path / "full.json", {**fake_record("copa", "full", 1.0, 0.9), "limit": None})
-    rows = plot.table(results.load_records(tmp_path))
+    rows = tables.table(results.load_records(tmp_path))
     figure = plot.figure(rows, "copa")
     handles, labels = figure.axes[0].get_legend_handles_labels()
     lines = {
@@ -194,7 +195,7 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
     assert len(lines) == 2 and "tiny-llama, all documents: full cache" in labels
     assert lines["h2o – tiny-llama, limit=10"] == [(10.0, 0.5), (20.0, 0.6)]
     assert lines["h2o – tiny-llama, limit=50"] == [(20.0, 0.7), (50.0, 0.8)]
-    table = plot.side_by_side(rows, 0.2)
+    table = tables.side_by_side(rows, 0.2)
     assert "| copa | tiny-llama (limit=10) | acc | 10 |  | 0.600 ± 0.050 |" in table
     assert "| copa | tiny-llama (limit=50) | acc | 10 |  | 0.700 ± 0.050 |" in table
     assert "| copa | tiny-llama (all documents) | acc | 10 | 0.900 ± 0.050 |  |" in table
@@ -231,8 +232,8 @@ def paired_dir(tmp_path):
 
 
 def test_paired_rows_compare_each_run_with_the_full_cache_document_by_document(paired_dir):
-    rows = plot.table(results.load_records(paired_dir))
-    compared = {(r["task"], r["policy"]): r for r in plot.paired_rows(rows, paired_dir)}
+    rows = tables.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"]): r for r in paired.paired_rows(rows, paired_dir)}
     assert set(compared) == {
         ("copa", "h2o"),
         ("copa", "local"),
@@ -256,8 +257,8 @@ def test_no_mean_over_tasks_when_a_task_was_scored_on_two_limits(paired_dir, cap
     """PIQA rerun on more documents beside its first run: a mean over tasks would count PIQA twice."""
     paired_record(paired_dir, "piqa40-full", "piqa", "full", 1.0, [1] * 40, limit=40)
     paired_record(paired_dir, "piqa40-local", "piqa", "local", 0.2, [0] * 40, limit=40)
-    rows = plot.table(results.load_records(paired_dir))
-    compared = {(r["task"], r["policy"], r["limit"]) for r in plot.paired_rows(rows, paired_dir)}
+    rows = tables.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"], r["limit"]) for r in paired.paired_rows(rows, paired_dir)}
     assert ("piqa", "local", 40) in compared and ("piqa", "local", None) in compared
     assert ("mean of 2 tasks", "h2o", None) in compared  # h2o's tasks are each scored once
     assert not any(task.startswith("mean") and policy == "local" for task, policy, _ in compared)
@@ -267,8 +268,8 @@ def test_no_mean_over_tasks_when_a_task_was_scored_on_two_limits(paired_dir, cap
 
 
 def test_against_a_policy_pairs_the_same_budget_and_protocol(paired_dir):
-    rows = plot.table(results.load_records(paired_dir))
-    compared = {(r["task"], r["policy"]): r for r in plot.paired_rows(rows, paired_dir, against="local")}
+    rows = tables.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"]): r for r in paired.paired_rows(rows, paired_dir, against="local")}
     assert set(compared) == {("copa", "h2o"), ("piqa", "h2o"), ("mean of 2 tasks", "h2o")}
     assert compared["copa", "h2o"]["paired"].difference == pytest.approx(22 / 40)
     assert compared["copa", "h2o"]["baseline"] == pytest.approx(10 / 40)
@@ -285,8 +286,8 @@ def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired
     assert copa["h2o"].endswith("] | 0.25 (too few documents differ for p < 0.05) | McNemar mid-p |")
     assert "**Primary test (the verdict): p**" in table[0] and "McNemar" in table[0]
     assert not any("omitted" in line for line in table)  # one question per document: McNemar is valid
-    rows = plot.table(results.load_records(paired_dir))
-    significant = frozenset(plot._setting(r) for r in plot.paired_rows(rows, paired_dir) if r["paired"].significant)
+    rows = tables.table(results.load_records(paired_dir))
+    significant = paired.significant_settings(paired.paired_rows(rows, paired_dir))
     figure = plot.figure(rows, "copa", significant)
     rings = [c for c in figure.axes[0].collections if isinstance(c, PathCollection) and len(c.get_offsets())]
     ringed = [c.get_offsets().tolist() for c in rings]
@@ -310,9 +311,9 @@ def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
             record |= {"length": length, "limit": 12, "outputs": f"{name}.outputs.jsonl"}  # a record names no metric
             record["metrics"] = {"string_match_all": sum(outcomes) / 12}
             results.write_record(tmp_path / f"{name}.json", record)
-    rows = plot.table(results.load_records(tmp_path))
+    rows = tables.table(results.load_records(tmp_path))
     assert sorted({r["task"] for r in rows}) == ["niah_single_1@1024", "niah_single_1@2048"]
-    compared = {r["task"]: r["paired"].difference for r in plot.paired_rows(rows, tmp_path) if "@" in r["task"]}
+    compared = {r["task"]: r["paired"].difference for r in paired.paired_rows(rows, tmp_path) if "@" in r["task"]}
     assert compared == {"niah_single_1@1024": 0.0, "niah_single_1@2048": -1.0}
     plot.main([str(tmp_path), "--out", str(tmp_path / "plots"), "--task", "niah_single_1"])
     assert (tmp_path / "plots" / "niah_single_1@1024.png").is_file() and (
@@ -325,12 +326,12 @@ def test_cells_with_several_questions_per_document_are_tested_by_document_and_sa
     for policy, budget, lost in (("full", 1.0, 0), ("h2o", 0.25, 6)):
         per_document = [[0.0] * 4] * lost + [[1.0] * 4] * (12 - lost)
         long_record(tmp_path, "niah_single_2", policy, budget, per_document)
-    rows = plot.table(results.load_records(tmp_path))
-    (compared,) = plot.paired_rows(rows, tmp_path)
-    paired = compared["paired"]
-    assert (paired.n, paired.documents, paired.difference) == (48, 12, -0.5)
-    assert paired.test.name == "sign-flip by document" and paired.test.p == pytest.approx(2.0**-6)
-    table = plot.paired_markdown([compared]).splitlines()
+    rows = tables.table(results.load_records(tmp_path))
+    (compared,) = paired.paired_rows(rows, tmp_path)
+    verdict = compared["paired"]
+    assert (verdict.n, verdict.documents, verdict.difference) == (48, 12, -0.5)
+    assert verdict.test.name == "sign-flip by document" and verdict.test.p == pytest.approx(2.0**-6)
+    table = paired.paired_markdown([compared]).splitlines()
     assert any("McNemar's test is per question" in line and "omitted" in line for line in table)
     assert table[-1].startswith(
         "| niah_single_2@4096 | tiny-llama | context | h2o | 25% | string_match_all | 48 | 12 |"
@@ -373,7 +374,7 @@ def ruler_dir(tmp_path):
 
 
 def test_the_headline_is_each_tasks_score_and_their_unweighted_mean_with_document_intervals(ruler_dir, capsys):
-    rows = plot.table(results.load_records(ruler_dir))
+    rows = tables.table(results.load_records(ruler_dir))
     assert {r["task"]: r["metric"] for r in rows} == {
         "niah_single_2@4096": "string_match_all",
         "qa_1@4096": "string_match_part",
@@ -468,7 +469,7 @@ def test_every_leaderboard_cell_is_a_mean_over_the_same_tasks_and_a_task_some_ce
             ("snapkv", "70.0", "1"),
         }
     h2o = next(
-        s for s in plot.long_context(plot.table(results.load_records(tmp_path)), tmp_path) if s["policy"] == "h2o"
+        s for s in plot.long_context(tables.table(results.load_records(tmp_path)), tmp_path) if s["policy"] == "h2o"
     )
     assert (list(h2o["tasks"]), h2o["mean"].value) == (["niah_single_2", "vt"], 50.0)  # the headline's own mean
     for path in tmp_path.glob("niah_single_2_full_*"):
@@ -518,7 +519,7 @@ def test_tasks_scored_on_different_limits_share_one_leaderboard_and_a_task_on_tw
 def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashed_and_dotted_ceilings(
     leaderboard_dir,
 ):
-    rows = plot.table(results.load_records(leaderboard_dir))
+    rows = tables.table(results.load_records(leaderboard_dir))
     groups = plot.leaderboards(plot.long_context(rows, leaderboard_dir))
     key = ("tiny-llama", "context", 4096)
     ax = plot.leaderboard_figure(key, groups[key]).axes[0]
@@ -539,21 +540,21 @@ def test_cli_leaderboard_without_long_context_records_says_what_to_run(results_d
 
 
 def test_the_budget_axis_says_what_the_budget_is_a_share_of(results_dir, tmp_path):
-    rows = plot.table(results.load_records(results_dir))
+    rows = tables.table(results.load_records(results_dir))
     assert plot.figure(rows, "xsum").axes[0].get_xlabel() == "KV cache budget (% of the sequence)"
     assert (
         plot.figure(rows, "copa").axes[0].get_xlabel()
         == "KV cache budget (% of the prompt for prefill, of the sequence for simulate)"
     )
     context = [fake_record("copa", "full", 1.0, 0.7), fake_record("copa", "h2o", 0.2, 0.6, protocol="context")]
-    rows = plot.table(context)  # the full cache's protocol is not the budget's
+    rows = tables.table(context)  # the full cache's protocol is not the budget's
     assert plot.figure(rows, "copa").axes[0].get_xlabel() == "KV cache budget (% of the context)"
 
 
 def test_lines_at_one_budget_are_drawn_apart_and_the_oracle_is_dotted(results_dir):
     for budget, value in ((0.1, 0.69), (0.2, 0.7)):
         results.write_record(results_dir / f"oracle{budget}.json", fake_record("copa", "oracle", budget, value))
-    rows = [r for r in plot.table(results.load_records(results_dir)) if r["protocol"] == "simulate"]
+    rows = [r for r in tables.table(results.load_records(results_dir)) if r["protocol"] == "simulate"]
     ax = plot.figure(rows, "copa").axes[0]
     handles, labels = ax.get_legend_handles_labels()
     lines = dict(zip(labels, handles, strict=True))
@@ -585,9 +586,9 @@ LABELS = {"snapkv", "snapkv (decoding=grow)", "snapkv (window=8)"}
 def test_settings_that_differ_beyond_the_columns_are_rows_of_their_own_labelled_by_what_differs(
     snapkv_settings_dir, tmp_path, capsys
 ):
-    rows = plot.table(results.load_records(snapkv_settings_dir))
+    rows = tables.table(results.load_records(snapkv_settings_dir))
     assert {r["policy"] for r in rows} == {"full", *LABELS}
-    assert {r["policy"] for r in plot.paired_rows(rows, snapkv_settings_dir)} == LABELS
+    assert {r["policy"] for r in paired.paired_rows(rows, snapkv_settings_dir)} == LABELS
     assert {s["policy"] for s in plot.long_context(rows, snapkv_settings_dir)} == {"full", *LABELS}
     plot.main([str(snapkv_settings_dir), "--out", str(tmp_path / "plots")])
     summary = (tmp_path / "plots" / "summary.md").read_text()
@@ -608,7 +609,7 @@ def test_questions_per_context_tell_rows_apart(tmp_path):
     for questions in (1, 2):
         settings = {"task.questions": questions}
         long_record(tmp_path, "niah_single_1", "h2o", 0.5, [[1] * questions] * 4, settings=settings, name=questions)
-    rows = plot.table(results.load_records(tmp_path))
+    rows = tables.table(results.load_records(tmp_path))
     assert {r["policy"] for r in rows} == {"h2o (1 question per context)", "h2o (2 questions per context)"}
 
 
@@ -722,7 +723,7 @@ def test_a_leaderboard_whose_tasks_ask_different_questions_per_context_names_eac
     from matplotlib.image import imread
 
     assert imread(out / "fwe@4096.png").size  # drawn; its title and labels are checked below
-    rows = plot.table(results.load_records(tmp_path))
+    rows = tables.table(results.load_records(tmp_path))
     fig = plot.figure(rows, "fwe@4096")
     ax = fig.axes[0]
     assert ax.get_title() == "fwe@4096 (1 question per context)"
