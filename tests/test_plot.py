@@ -11,7 +11,7 @@ from conftest import record_settings
 from matplotlib.collections import PathCollection
 
 from h2o_eval import plot, results, stats
-from h2o_eval.reports import paired, tables
+from h2o_eval.reports import figures, headline, leaderboards, paired, tables
 
 
 def fake_record(
@@ -89,12 +89,12 @@ def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
 
 
 def test_regenerated_figures_are_the_same_bytes_on_another_day(results_dir, tmp_path, monkeypatch):
-    figures = {}
+    drawn = {}
     for day, epoch in enumerate(("0", "86400")):
         monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)  # the creation date matplotlib would write
         plot.main([str(results_dir), "--task", "copa", "--out", str(tmp_path / str(day))])
-        figures[day] = {name: (tmp_path / str(day) / name).read_bytes() for name in ("copa.png", "copa.pdf")}
-    assert figures[0] == figures[1]
+        drawn[day] = {name: (tmp_path / str(day) / name).read_bytes() for name in ("copa.png", "copa.pdf")}
+    assert drawn[0] == drawn[1]
 
 
 def test_summary_states_the_summed_and_the_elapsed_compute_of_its_records(tmp_path):
@@ -185,7 +185,7 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
         )
     results.write_record(tmp_path / "full.json", {**fake_record("copa", "full", 1.0, 0.9), "limit": None})
     rows = tables.table(results.load_records(tmp_path))
-    figure = plot.figure(rows, "copa")
+    figure = figures.figure(rows, "copa")
     handles, labels = figure.axes[0].get_legend_handles_labels()
     lines = {
         label: list(zip(*handle.lines[0].get_data(), strict=True))  # an errorbar: its data line
@@ -288,7 +288,7 @@ def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired
     assert not any("omitted" in line for line in table)  # one question per document: McNemar is valid
     rows = tables.table(results.load_records(paired_dir))
     significant = paired.significant_settings(paired.paired_rows(rows, paired_dir))
-    figure = plot.figure(rows, "copa", significant)
+    figure = figures.figure(rows, "copa", significant)
     rings = [c for c in figure.axes[0].collections if isinstance(c, PathCollection) and len(c.get_offsets())]
     ringed = [c.get_offsets().tolist() for c in rings]
     assert ringed == [[[20.0, 0.25]]]  # local at 20 %, 10 of 40 right
@@ -379,7 +379,7 @@ def test_the_headline_is_each_tasks_score_and_their_unweighted_mean_with_documen
         "niah_single_2@4096": "string_match_all",
         "qa_1@4096": "string_match_part",
     }
-    full, h2o = plot.long_context(rows, ruler_dir)
+    full, h2o = headline.long_context(rows, ruler_dir)
     assert (full["policy"], h2o["policy"], h2o["budget"], h2o["length"]) == ("full", "h2o", 0.25, 4096)
     assert list(h2o["tasks"]) == ["niah_single_2", "qa_1"]  # RULER's order
     niah, qa = h2o["tasks"]["niah_single_2"], h2o["tasks"]["qa_1"]
@@ -388,18 +388,18 @@ def test_the_headline_is_each_tasks_score_and_their_unweighted_mean_with_documen
     assert niah == dataclasses.replace(stats.estimate([100.0] * 5 + [0.0] * 5), n=20)
     assert h2o["mean"].value == 62.5 and h2o["mean"].low < 62.5 < h2o["mean"].high
     assert (full["mean"].value, full["mean"].low, full["mean"].high) == (100.0, 100.0, 100.0)
-    assert plot.tasks_label(h2o["tasks"]) == "2/13 tasks"
-    assert plot.tasks_label(plot.RULER_TASKS) == "13 tasks"
-    assert plot.tasks_label(["niah_single_2", "niah_single"]) == "2 tasks (1/13 of RULER's)"
+    assert headline.tasks_label(h2o["tasks"]) == "2/13 tasks"
+    assert headline.tasks_label(headline.RULER_TASKS) == "13 tasks"
+    assert headline.tasks_label(["niah_single_2", "niah_single"]) == "2 tasks (1/13 of RULER's)"
     plot.main([str(ruler_dir), "--out", str(ruler_dir / "plots")])
     printed = capsys.readouterr().out
-    headline = (ruler_dir / "plots" / "headline.md").read_text()
-    assert headline in printed
+    written = (ruler_dir / "plots" / "headline.md").read_text()
+    assert written in printed
     mean = h2o["mean"]
     assert (
         f"| tiny-llama | context | 4096 | h2o | 25% | 62.5 [{mean.low:.1f}, {mean.high:.1f}] | 2/13 tasks "
         f"| 50.0 [{niah.low:.1f}, {niah.high:.1f}] | 75.0 [{qa.low:.1f}, {qa.high:.1f}] |"
-    ) in headline
+    ) in written
 
 
 @pytest.fixture
@@ -469,7 +469,7 @@ def test_every_leaderboard_cell_is_a_mean_over_the_same_tasks_and_a_task_some_ce
             ("snapkv", "70.0", "1"),
         }
     h2o = next(
-        s for s in plot.long_context(tables.table(results.load_records(tmp_path)), tmp_path) if s["policy"] == "h2o"
+        s for s in headline.long_context(tables.table(results.load_records(tmp_path)), tmp_path) if s["policy"] == "h2o"
     )
     assert (list(h2o["tasks"]), h2o["mean"].value) == (["niah_single_2", "vt"], 50.0)  # the headline's own mean
     for path in tmp_path.glob("niah_single_2_full_*"):
@@ -503,7 +503,7 @@ def test_tasks_scored_on_different_limits_share_one_leaderboard_and_a_task_on_tw
     assert lines[5].startswith("| h2o | 55.0 [")  # (3/5 + 10/20) / 2
     with (out / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
         assert {row["limits"] for row in csv.DictReader(handle)} == {"limit=5; fwe: 20"}
-    assert plot.limits_label({"cwe": 20, "vt": 5, "niah_single_1": 5, "fwe": 20, "qa_2": None}) == (
+    assert headline.limits_label({"cwe": 20, "vt": 5, "niah_single_1": 5, "fwe": 20, "qa_2": None}) == (
         "limit=5; cwe, fwe: 20; qa_2: all documents"
     )
     long_record(tmp_path, "fwe", "h2o", 0.25, [[1]] * 10, limit=10)
@@ -520,9 +520,9 @@ def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashe
     leaderboard_dir,
 ):
     rows = tables.table(results.load_records(leaderboard_dir))
-    groups = plot.leaderboards(plot.long_context(rows, leaderboard_dir))
+    groups = leaderboards.leaderboards(headline.long_context(rows, leaderboard_dir))
     key = ("tiny-llama", "context", 4096)
-    ax = plot.leaderboard_figure(key, groups[key]).axes[0]
+    ax = leaderboards.leaderboard_figure(key, groups[key]).axes[0]
     handles, labels = ax.get_legend_handles_labels()
     lines = dict(zip(labels, handles, strict=True))
     assert labels == ["full cache", "oracle (not deployable)", "h2o", "snapkv"]
@@ -541,21 +541,21 @@ def test_cli_leaderboard_without_long_context_records_says_what_to_run(results_d
 
 def test_the_budget_axis_says_what_the_budget_is_a_share_of(results_dir, tmp_path):
     rows = tables.table(results.load_records(results_dir))
-    assert plot.figure(rows, "xsum").axes[0].get_xlabel() == "KV cache budget (% of the sequence)"
+    assert figures.figure(rows, "xsum").axes[0].get_xlabel() == "KV cache budget (% of the sequence)"
     assert (
-        plot.figure(rows, "copa").axes[0].get_xlabel()
+        figures.figure(rows, "copa").axes[0].get_xlabel()
         == "KV cache budget (% of the prompt for prefill, of the sequence for simulate)"
     )
     context = [fake_record("copa", "full", 1.0, 0.7), fake_record("copa", "h2o", 0.2, 0.6, protocol="context")]
     rows = tables.table(context)  # the full cache's protocol is not the budget's
-    assert plot.figure(rows, "copa").axes[0].get_xlabel() == "KV cache budget (% of the context)"
+    assert figures.figure(rows, "copa").axes[0].get_xlabel() == "KV cache budget (% of the context)"
 
 
 def test_lines_at_one_budget_are_drawn_apart_and_the_oracle_is_dotted(results_dir):
     for budget, value in ((0.1, 0.69), (0.2, 0.7)):
         results.write_record(results_dir / f"oracle{budget}.json", fake_record("copa", "oracle", budget, value))
     rows = [r for r in tables.table(results.load_records(results_dir)) if r["protocol"] == "simulate"]
-    ax = plot.figure(rows, "copa").axes[0]
+    ax = figures.figure(rows, "copa").axes[0]
     handles, labels = ax.get_legend_handles_labels()
     lines = dict(zip(labels, handles, strict=True))
     assert labels == ["full cache", "h2o", "local", "oracle (not deployable)"]
@@ -589,7 +589,7 @@ def test_settings_that_differ_beyond_the_columns_are_rows_of_their_own_labelled_
     rows = tables.table(results.load_records(snapkv_settings_dir))
     assert {r["policy"] for r in rows} == {"full", *LABELS}
     assert {r["policy"] for r in paired.paired_rows(rows, snapkv_settings_dir)} == LABELS
-    assert {s["policy"] for s in plot.long_context(rows, snapkv_settings_dir)} == {"full", *LABELS}
+    assert {s["policy"] for s in headline.long_context(rows, snapkv_settings_dir)} == {"full", *LABELS}
     plot.main([str(snapkv_settings_dir), "--out", str(tmp_path / "plots")])
     summary = (tmp_path / "plots" / "summary.md").read_text()
     assert "Every row, where it applies: 1 question per context." in summary
@@ -716,15 +716,15 @@ def test_a_leaderboard_whose_tasks_ask_different_questions_per_context_names_eac
     out = tmp_path / "plots"
     plot.main([str(tmp_path), "--out", str(out)])
     capsys.readouterr()
-    headline = (out / "headline.md").read_text()
-    assert "Every row: 4 questions per context (fwe: 1)." in headline
-    assert "| tiny-llama | context | 4096 | h2o | 50% | 55.0 [" in headline  # one row over both tasks
+    written = (out / "headline.md").read_text()
+    assert "Every row: 4 questions per context (fwe: 1)." in written
+    assert "| tiny-llama | context | 4096 | h2o | 50% | 55.0 [" in written  # one row over both tasks
     assert "| mean of 2 tasks | tiny-llama | context | h2o | 50% |" in (out / "paired_full.md").read_text()
     from matplotlib.image import imread
 
     assert imread(out / "fwe@4096.png").size  # drawn; its title and labels are checked below
     rows = tables.table(results.load_records(tmp_path))
-    fig = plot.figure(rows, "fwe@4096")
+    fig = figures.figure(rows, "fwe@4096")
     ax = fig.axes[0]
     assert ax.get_title() == "fwe@4096 (1 question per context)"
     assert {text.get_text() for text in ax.get_legend().get_texts()} == {"full cache", "h2o"}
