@@ -24,24 +24,25 @@ ratio. ``--needle`` draws the long-context tasks' depth x length heatmaps instea
 ``--provenance`` writes ``PROVENANCE.md`` instead: where the records came from, read from the records themselves
 (per commit: how many, whether its tree was dirty, when, the machine time, threads and library versions, what
 ran) and the settings they share or vary in, so that no README has to carry that by hand.
+
+Each output is made by a module of :mod:`h2o_eval.reports`; this module reads the options and the records and
+says which outputs to write.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections import Counter
-from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 from h2o_eval import plot_needle
 from h2o_eval.reports.figures import write_figures
-from h2o_eval.reports.headline import headline_markdown, long_context, task_order, write_headline
+from h2o_eval.reports.headline import headline_markdown, long_context, write_headline
 from h2o_eval.reports.leaderboards import write_leaderboards
 from h2o_eval.reports.paired import paired_markdown, paired_rows, significant_settings, write_paired
+from h2o_eval.reports.provenance import write_provenance
 from h2o_eval.reports.tables import (
-    COLUMNS,
     compute,
     limit_label,
     markdown,
@@ -50,206 +51,8 @@ from h2o_eval.reports.tables import (
     table,
     write_tables,
 )
+from h2o_eval.reports.wandb_log import log_to_wandb
 from h2o_eval.results import read_records
-from h2o_eval.settings import report_labels
-
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "accuracy_vs_budget.ipynb"
-
-
-def write(
-    rows: list[dict[str, Any]],
-    out: Path,
-    at: list[float] | None = None,
-    compared: list[dict[str, Any]] | None = None,
-    headline: list[dict[str, Any]] | None = None,
-) -> list[Path]:
-    """Figures (PNG, PDF) per task plus the tables of :func:`~h2o_eval.reports.tables.write_tables` under ``out``,
-    the ``compared`` rows of :func:`~h2o_eval.reports.paired.paired_rows` in ``paired_<against>.md`` (ringing,
-    when they are against the full cache, the significant points of the figures), and the long-context settings of
-    :func:`~h2o_eval.reports.headline.long_context` in ``headline.md``; returns the files."""
-    compared = compared or []
-    written = write_figures(rows, out, significant_settings(compared))
-    written += write_tables(rows, out, at)
-    written += write_paired(compared, out)
-    return written + write_headline(headline or [], out)
-
-
-PROVENANCE = "PROVENANCE.md"
-PROVENANCE_VERSIONS = ("torch", "transformers", "lm_eval")
-# The settings every report names in its own columns, in the order the provenance lists them.
-PROVENANCE_NAMED = ("model", "task", "length", "policy", "budget", "protocol", "num_fewshot", "limit", "data")
-# How a run was run: never part of its identity (results.NOT_IDENTITY), so never a reason its numbers differ.
-PROVENANCE_HOW = ("batch_size", "stack_cells", "device", "kernels")
-
-
-def _utc(created: str) -> datetime:
-    return datetime.fromisoformat(created).astimezone(timezone.utc)
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:,.0f} s" + (f" ({seconds / 3600:.1f} h)" if seconds >= 3600 else "")
-
-
-def _counted(values: list[Any]) -> str:
-    """The distinct ``values``, most common first, each with its count when there are several ("1" or
-    "4 (30), 1 (9)")."""
-    counts = Counter("–" if value is None else str(value) for value in values)
-    if len(counts) == 1:
-        return next(iter(counts))
-    return ", ".join(f"{value} ({n})" for value, n in sorted(counts.items(), key=lambda item: (-item[1], item[0])))
-
-
-def _span(records: list[dict[str, Any]]) -> float:
-    """Seconds from the first record's start (``created`` minus ``wall_seconds``) to the last one's end."""
-    starts = [_utc(r["created"]) - timedelta(seconds=r.get("wall_seconds") or 0.0) for r in records]
-    return (max(_utc(r["created"]) for r in records) - min(starts)).total_seconds()
-
-
-def _commit_row(commit: str, records: list[dict[str, Any]]) -> str:
-    created = sorted(_utc(r["created"]) for r in records)
-    dirty = sum((r.get("git") or {}).get("dirty") is True for r in records)
-    unknown = sum((r.get("git") or {}).get("dirty") is None for r in records)
-    versions = [_counted([(r.get("versions") or {}).get(name) for r in records]) for name in PROVENANCE_VERSIONS]
-    cells = [
-        commit,
-        str(len(records)),
-        str(dirty) + (f" ({unknown} unknown)" if unknown else ""),
-        f"{created[0]:%Y-%m-%d %H:%M}",
-        f"{created[-1]:%Y-%m-%d %H:%M}",
-        _duration(sum(r.get("wall_seconds") or 0.0 for r in records)),
-        _duration(sum(r.get("load_seconds") or 0.0 for r in records)),
-        _duration(_span(records)),
-        _counted([(r.get("threads") or {}).get("torch") for r in records]),
-        *versions,
-        ", ".join(sorted({r["model"] for r in records})),
-    ]
-    return "| " + " | ".join(cells) + " |"
-
-
-def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> str:
-    """Where ``records`` (read from ``source``, those of the ``--task``/``--model`` options in ``chosen``) came
-    from, as Markdown: per commit (the oldest first) how many
-    records it computed, how many of them with a dirty tree, the first and last ``created``, the summed
-    ``wall_seconds`` and ``load_seconds`` and the elapsed span, the torch threads, the versions of torch,
-    transformers and lm_eval and the models; then what each commit computed; then the settings every record
-    shares and those that vary, with their counts. Everything is read from the records, so regenerating it from
-    the same records writes the same file."""
-    if not records:
-        raise ValueError(f"no records in {source}: nothing to tell the provenance of")
-    by_commit: dict[str, list[dict[str, Any]]] = {}
-    for record in records:
-        commit = (record.get("git") or {}).get("commit")
-        by_commit.setdefault(commit[:7] if commit else "unknown", []).append(record)
-    commits = sorted(by_commit, key=lambda c: (min(_utc(r["created"]) for r in by_commit[c]), c))
-    dirty = sum((r.get("git") or {}).get("dirty") is True for r in records)
-    first, last = min(_utc(r["created"]) for r in records), max(_utc(r["created"]) for r in records)
-    lines = [
-        f"# Provenance of `{source}`",
-        "",
-        f"Generated from the records by `python -m h2o_eval.plot {source}{chosen} --provenance`: every entry is "
-        "read from "
-        "the records (`git`, `created`, `wall_seconds`, `load_seconds`, `threads`, `versions`, `config`). "
-        "Regenerate it; never edit it.",
-        "",
-        f"{len(records)} records, computed at {len(commits)} commit{'s' if len(commits) != 1 else ''} ({dirty} of "
-        f"them with a dirty tree: uncommitted changes), from {first:%Y-%m-%d %H:%M} to {last:%Y-%m-%d %H:%M} UTC.",
-        "",
-        "## Commits",
-        "",
-        "Times are UTC. Run time is the records' summed `wall_seconds` (a grid's cells share their run time); "
-        "load is the summed `load_seconds` (a grid's cells share one model load, counted once per cell); elapsed "
-        "runs from the first record's start to the last one's end, overlapping runs counted once. Threads: "
-        "torch's intra-op threads per process.",
-        "",
-        "| commit | records | dirty | first created | last created | run time | load | elapsed | threads "
-        "| " + " | ".join(PROVENANCE_VERSIONS) + " | models |",
-        "|---|---:|---:|---|---|---:|---:|---:|---|---|---|---|---|",
-        *(_commit_row(commit, by_commit[commit]) for commit in commits),
-        _commit_row("**all**", records),
-        "",
-        "## What each commit computed",
-        "",
-        "| commit | model | records | tasks | policies | budgets |",
-        "|---|---|---:|---|---|---|",
-    ]
-    for commit in commits:
-        for model in sorted({r["model"] for r in by_commit[commit]}):
-            mine = [r for r in by_commit[commit] if r["model"] == model]
-            tasks = sorted({r["task"] for r in mine}, key=task_order)
-            policies = sorted({r["policy"] for r in mine})
-            budgets = sorted({r["budget"] for r in mine}, key=lambda b: (isinstance(b, int), b))
-            lines.append(
-                f"| {commit} | {model} | {len(mine)} | {', '.join(tasks)} | {', '.join(policies)} "
-                f"| {', '.join(f'{b:g}' for b in budgets)} |"
-            )
-    lines += ["", "## Settings", "", *_settings_lines(records)]
-    return "\n".join(lines) + "\n"
-
-
-def _settings_lines(records: list[dict[str, Any]]) -> list[str]:
-    """The settings every record shares and those that vary (each value with its record count): those the
-    reports name in columns, the departures from the defaults (:func:`h2o_eval.settings.report_labels`), then
-    how the runs were run, which never changes a number (batch size, stacked cells, device, kernels)."""
-    shared: list[str] = []
-    varying: list[str] = []
-
-    def sort(name: str, values: list[Any], note: str = "") -> None:
-        (shared if len(set(map(str, values))) == 1 and not note else varying).append(
-            f"{name}: {_counted(values)}{note}"
-        )
-
-    for key in PROVENANCE_NAMED:
-        sort(key, [_short(r.get(key)) if key == "data" else r.get(key) for r in records])
-    labelled = [r for r in records if "config" in r and "policy_params" in r]
-    if labelled:
-        own, common = report_labels([r["config"] for r in labelled], [r["policy_params"] for r in labelled])
-        shared += common
-        for key in dict.fromkeys(key for departures in own for key in departures):
-            texts = [departures[key] for departures in own if key in departures]
-            rest = len(labelled) - len(texts)
-            sort(key, texts, f"; the other {rest}: its default, or not a setting of theirs" if rest else "")
-        for key in PROVENANCE_HOW:
-            if any(key in r["config"] for r in labelled):
-                sort(f"{key} (not identity)", [r["config"].get(key) for r in labelled])
-    if len(labelled) < len(records):
-        varying.append(f"{len(records) - len(labelled)} records hold no config: their other settings are unknown")
-    return [
-        "Every record:" if shared else "No setting is shared by every record.",
-        "",
-        *(f"- {text}" for text in shared),
-        *(
-            ["", "Varying, with the number of records of each value:", "", *(f"- {text}" for text in varying)]
-            if varying
-            else []
-        ),
-    ]
-
-
-def _short(data: Any) -> Any:
-    """A data fingerprint as its first 12 hex digits (``hub`` as it is)."""
-    return data[:12] if isinstance(data, str) and len(data) > 16 else data
-
-
-def write_provenance(records: list[dict[str, Any]], source: str, out: Path, chosen: str = "") -> Path:
-    """:func:`provenance` of ``records`` as ``out``/PROVENANCE.md; returns its path."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / PROVENANCE
-    path.write_text(provenance(records, source, chosen))
-    return path
-
-
-def log_to_wandb(rows: list[dict[str, Any]], files: list[Path], group: str, project: str, mode: str) -> None:
-    """Log the figures and the table as one W&B run in ``group`` (a sweep's runs share its folder's name)."""
-    import wandb
-
-    run = wandb.init(project=project, group=group, job_type="plot", mode=mode, name=f"{group}-plots")
-    run.log(
-        {
-            **{f"figures/{path.stem}": wandb.Image(str(path)) for path in files if path.suffix == ".png"},
-            "summary": wandb.Table(columns=list(COLUMNS), data=[[row[c] for c in COLUMNS] for row in rows]),
-        }
-    )
-    run.finish()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -291,7 +94,37 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _plot(args: argparse.Namespace, out: Path) -> None:
-    """What ``main`` does once its arguments are parsed; ValueError is a one-line refusal."""
+    """What ``main`` does once its arguments are parsed: the provenance, the needle pictures, the leaderboards or
+    the report of the chosen records; ValueError is a one-line refusal."""
+    records = _chosen_records(args, out)
+    if args.provenance:
+        options = "".join(
+            f" --{name} {' '.join(getattr(args, name))}" for name in ("task", "model") if getattr(args, name)
+        )
+        print(write_provenance(records, str(args.results_dir), out, options))
+        return
+    rows = table(records, args.metric)
+    if args.needle:
+        files = plot_needle.write(rows, args.results_dir, out)
+        if not files:
+            raise ValueError(f"no long-context records in {args.results_dir}: run a task such as task=niah_single_1")
+        print("\n".join(map(str, files)))
+        return
+    if not rows:
+        raise ValueError(
+            f"no record in {args.results_dir} has {f'the metric {args.metric}' if args.metric else 'its metric'} "
+            "at a fraction budget: name a metric the records hold (--metric), or run fraction budgets such as 0.2"
+        )
+    headline = _headline(rows, args)
+    if args.leaderboard:
+        _leaderboards(headline, args, out)
+    else:
+        _report(rows, headline, args, out)
+
+
+def _chosen_records(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """The readable records of ``args.results_dir`` of the ``--task`` and ``--model`` options, warning of each file
+    skipped; ValueError when there are none, naming why."""
     if not args.results_dir.is_dir():
         raise ValueError(f"no results directory {args.results_dir}: give the results_dir the runs wrote to")
     records, unreadable = read_records(args.results_dir)
@@ -316,41 +149,36 @@ def _plot(args: argparse.Namespace, out: Path) -> None:
             f"{' '.join(args.model or ['any'])}: its tasks are {', '.join(sorted({r['task'] for r in records}))}, "
             f"its models {', '.join(sorted({r['model'] for r in records}))}"
         )
-    if args.provenance:
-        options = "".join(
-            f" --{name} {' '.join(getattr(args, name))}" for name in ("task", "model") if getattr(args, name)
-        )
-        print(write_provenance(chosen, str(args.results_dir), out, options))
-        return
-    rows = table(chosen, args.metric)
-    if args.needle:
-        files = plot_needle.write(rows, args.results_dir, out)
-        if not files:
-            raise ValueError(f"no long-context records in {args.results_dir}: run a task such as task=niah_single_1")
-        print("\n".join(map(str, files)))
-        return
-    if not rows:
-        raise ValueError(
-            f"no record in {args.results_dir} has {f'the metric {args.metric}' if args.metric else 'its metric'} "
-            "at a fraction budget: name a metric the records hold (--metric), or run fraction budgets such as 0.2"
-        )
+    return chosen
+
+
+def _headline(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The long-context headline of ``rows``; where it cannot be made, a refusal for ``--leaderboard``, which is
+    made of it, and a note (and no headline) for the report."""
     try:
-        headline = long_context(rows, args.results_dir)
+        return long_context(rows, args.results_dir)
     except ValueError as error:
         if args.leaderboard:
             raise
         print(f"note: no long-context headline: {error}", file=sys.stderr)
-        headline = []
-    if args.leaderboard:
-        if not any(s["method"] != "full" for s in headline):
-            raise ValueError(
-                f"no long-context records of a policy with per-question outputs in {args.results_dir}: "
-                "run long-context tasks at several budgets first (such as the kv_leaderboard preset)"
-            )
-        files, text = write_leaderboards(headline, out)
-        print("\n".join(map(str, files)))
-        print(text)
-        return
+        return []
+
+
+def _leaderboards(headline: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
+    """``--leaderboard``: the leaderboards of the headline's settings, written and printed."""
+    if not any(s["method"] != "full" for s in headline):
+        raise ValueError(
+            f"no long-context records of a policy with per-question outputs in {args.results_dir}: "
+            "run long-context tasks at several budgets first (such as the kv_leaderboard preset)"
+        )
+    files, text = write_leaderboards(headline, out)
+    print("\n".join(map(str, files)))
+    print(text)
+
+
+def _report(rows: list[dict[str, Any]], headline: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
+    """The report: figures, tables, paired verdicts against ``--against`` and the headline, written, printed and,
+    with ``--wandb-group``, logged."""
     for task, limits in mixed_limits(rows).items():
         print(
             f"note: {task} has records of {', '.join(map(limit_label, limits))}: they are drawn and tabled apart",
@@ -362,7 +190,12 @@ def _plot(args: argparse.Namespace, out: Path) -> None:
             f"note: no paired comparison against {args.against}: no two runs with per-question scores share questions",
             file=sys.stderr,
         )
-    files = write(rows, out, args.at, compared, headline)
+    files = [
+        *write_figures(rows, out, significant_settings(compared)),
+        *write_tables(rows, out, args.at),
+        *write_paired(compared, out),
+        *write_headline(headline, out),
+    ]
     for path in files:
         print(path)
     print(markdown(rows) + compute(rows))

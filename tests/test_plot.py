@@ -7,7 +7,7 @@ import dataclasses
 import os
 
 import pytest
-from conftest import record_settings
+from conftest import REPO, record_settings
 from matplotlib.collections import PathCollection
 
 from h2o_eval import plot, results, stats
@@ -129,7 +129,7 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     long_record(results_dir, "vt", "full", 1.0, [[1]] * 4)
     long_record(results_dir, "vt", "h2o", 0.5, [[1]] * 3 + [[0]])
 
-    notebook = nbformat.read(plot.NOTEBOOK, as_version=4)
+    notebook = nbformat.read(REPO / "notebooks" / "accuracy_vs_budget.ipynb", as_version=4)
     os.environ["H2O_EVAL_RESULTS"] = str(results_dir)
     try:
         NotebookClient(
