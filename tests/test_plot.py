@@ -142,7 +142,7 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     text = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
     assert "| copa | tiny-llama | simulate | h2o | 20% | acc | 0.6500 ± 0.0500 |" in text
     assert "| tiny-llama | context | 4096 | h2o | 50% | 75.0 [" in text  # the long-context headline
-    assert "Leaderboard: tiny-llama, protocol context, 4096 tokens, 1 question per context." in text
+    assert "Leaderboard: tiny-llama, protocol context, 4096 tokens, 1 question per context, all documents." in text
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # copa, xsum, vt and the leaderboard
 
 
@@ -193,6 +193,7 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
         if label.startswith("h2o")
     }
     assert len(lines) == 2 and "tiny-llama, all documents: full cache" in labels
+    assert figure.axes[0].get_title() == "copa: tiny-llama, limit=10, limit=50 and all documents"
     assert lines["h2o – tiny-llama, limit=10"] == [(10.0, 0.5), (20.0, 0.6)]
     assert lines["h2o – tiny-llama, limit=50"] == [(20.0, 0.7), (50.0, 0.8)]
     table = tables.side_by_side(rows, 0.2)
@@ -202,6 +203,18 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
     plot.main([str(tmp_path), "--out", str(tmp_path / "plots")])
     assert "note: copa has records of limit=10, limit=50, all documents: they are drawn and tabled apart" in (
         capsys.readouterr().err
+    )
+
+
+def test_a_figure_title_names_the_models_and_the_documents_its_records_were_scored_on(results_dir):
+    """A new user saw a figure titled "copa": without the model and the documents (the ``limit``) its numbers
+    cannot be read, nor told from another run's."""
+    rows = tables.table(results.load_records(results_dir))
+    assert figures.figure(rows, "copa").axes[0].get_title() == "copa: tiny-llama, limit=10"
+    other = {**fake_record("copa", "h2o", 0.2, 0.7), "model": "smollm2-135m", "limit": None}
+    rows = tables.table([fake_record("copa", "h2o", 0.2, 0.6), other])
+    assert figures.figure(rows, "copa").axes[0].get_title().replace("\n", " ") == (
+        "copa: smollm2-135m and tiny-llama, limit=10 and all documents"
     )
 
 
@@ -531,6 +544,9 @@ def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashe
     assert oracle.get_linestyle() == ":"
     assert list(h2o.get_xdata()) == [0.25, 0.5, 0.75, 0.875] and list(h2o.get_ydata()) == [80.0, 60.0, 30.0, 10.0]
     assert ax.get_xlabel() == "compression ratio (share of the context removed, 1 − budget)"
+    assert ax.get_title().replace("\n", " ") == (
+        "tiny-llama, protocol context, 4096 tokens, 1 question per context, all documents"
+    )
 
 
 def test_cli_leaderboard_without_long_context_records_says_what_to_run(results_dir, capsys):
@@ -726,5 +742,5 @@ def test_a_leaderboard_whose_tasks_ask_different_questions_per_context_names_eac
     rows = tables.table(results.load_records(tmp_path))
     fig = figures.figure(rows, "fwe@4096")
     ax = fig.axes[0]
-    assert ax.get_title() == "fwe@4096 (1 question per context)"
+    assert ax.get_title() == "fwe@4096: tiny-llama, limit=20 (1 question per context)"
     assert {text.get_text() for text in ax.get_legend().get_texts()} == {"full cache", "h2o"}

@@ -12,7 +12,7 @@ from typing import Any
 from h2o_eval import stats
 from h2o_eval.figures import save
 from h2o_eval.reports.headline import questions_named
-from h2o_eval.reports.tables import limit_label, mixed_limits, setting_key
+from h2o_eval.reports.tables import limit_label, limit_order, mixed_limits, setting_key
 
 BUDGET_SHARE = {"simulate": "the sequence", "prefill": "the prompt", "context": "the context"}
 REFERENCE_POLICIES = ("full", "oracle")
@@ -43,6 +43,7 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     ringed: they differ from the full cache beyond chance."""
     import matplotlib.pyplot as plt
 
+    title = _title(rows, task)
     rows, asked = _task_rows(rows, task, significant)
     models = sorted({r["model"] for r in rows})
     protocols = sorted({r["protocol"] for r in rows if r["method"] != "full"} or {r["protocol"] for r in rows})
@@ -61,12 +62,28 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     metric = rows[0]["metric"] if rows else ""
     ax.autoscale_view()
     note = ", ".join([*(rows[0]["shared"] if rows else ()), *([asked] if asked else [])])
-    title = f"{task} ({note})" if note else task
+    title += f" ({note})" if note else ""
     ax.set(xlabel=budget_label(protocols), ylabel=metric, title=textwrap.fill(title, 60), xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _title(rows: list[dict[str, Any]], task: str) -> str:
+    """The figure's title before the settings its rows share: the task, then the model(s) and the documents (the
+    ``limit``, or all of them) its records were run with, since a number means little without them ("copa:
+    smollm2-135m, limit=100")."""
+    mine = [r for r in rows if r["task"] == task]
+    if not mine:
+        return task
+    limits = sorted({r["limit"] for r in mine}, key=limit_order)
+    return f"{task}: {_listed(sorted({r['model'] for r in mine}))}, {_listed([limit_label(x) for x in limits])}"
+
+
+def _listed(items: list[str]) -> str:
+    """``items`` as a phrase: "a", "a and b", "a, b and c"."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
 def _task_rows(

@@ -80,13 +80,14 @@ def _leaderboard_order(group: list[dict[str, Any]]) -> list[str]:
 
 
 def _leaderboard_title(key: tuple, group: list[dict[str, Any]]) -> str:
+    """What a leaderboard compares: its model, protocol and length, the settings its cells share and the documents
+    each task was scored on (its ``limit``, or all of them)."""
     model, protocol, length = key
     limits = {task: limit for s in group for task, limit in s["limits"].items()}
-    named = any(limit is not None for limit in limits.values())
     asked = questions_named({task: count for s in group for task, count in s["questions"].items()}, group[0]["shared"])
     note = ", ".join(filter(None, [shared_note(group), asked]))
     title = f"{model}, protocol {protocol}, {length} tokens" + (f", {note}" if note else "")
-    return title + (f", {limits_label(limits)}" if named else "")
+    return f"{title}, {limits_label(limits)}"
 
 
 def _left_out_label(group: list[dict[str, Any]]) -> str:
