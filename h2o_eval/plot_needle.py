@@ -16,10 +16,10 @@ from h2o_eval import figures
 
 
 def needle_rows(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
-    """One row per long-context row of :func:`h2o_eval.plot.table` (a setting, its policy labelled as every report
-    labels it) whose per-question outputs are in ``results_dir``: its setting, its metric (``string_match_all``, or
-    ``string_match_part`` for RULER's qa tasks) and score, and its mean score and question count per needle depth
-    (none for tasks without a needle)."""
+    """One row per long-context row of :func:`h2o_eval.reports.tables.table` (a setting, its policy labelled as
+    every report labels it) whose per-question outputs are in ``results_dir``: its setting, its metric
+    (``string_match_all``, or ``string_match_part`` for RULER's qa tasks) and score, and its mean score and question
+    count per needle depth (none for tasks without a needle)."""
     found = []
     for row in rows:
         if row["length"] is None or row["outputs"] is None or not (results_dir / row["outputs"]).is_file():
@@ -136,8 +136,9 @@ def length_plot(rows: list[dict[str, Any]]) -> Any:
 
 
 def write(table_rows: list[dict[str, Any]], results_dir: Path, out: Path) -> list[Path]:
-    """Both figures (PNG, PDF) per model and task of :func:`h2o_eval.plot.table`'s long-context rows under ``out``:
-    ``needle_<task>_<model>`` (tasks with a needle) and ``length_<task>_<model>``. Returns the files written."""
+    """Both figures (PNG, PDF) per model and task of :func:`h2o_eval.reports.tables.table`'s long-context rows
+    under ``out``: ``needle_<task>_<model>`` (tasks with a needle) and ``length_<task>_<model>``. Returns the files
+    written."""
     rows = needle_rows(table_rows, results_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = []

@@ -7,10 +7,11 @@ import dataclasses
 import os
 
 import pytest
-from conftest import record_settings
+from conftest import REPO, record_settings
 from matplotlib.collections import PathCollection
 
 from h2o_eval import plot, results, stats
+from h2o_eval.reports import figures, headline, leaderboards, paired, tables
 
 
 def fake_record(
@@ -48,7 +49,7 @@ def results_dir(tmp_path):
 
 
 def test_table_keeps_the_newest_record_per_setting_and_the_primary_metric(results_dir):
-    rows = plot.table(results.load_records(results_dir))
+    rows = tables.table(results.load_records(results_dir))
     copa_h2o = [
         (r["budget"], r["value"])
         for r in rows
@@ -60,13 +61,13 @@ def test_table_keeps_the_newest_record_per_setting_and_the_primary_metric(result
 
 
 def test_side_by_side_puts_each_policy_and_protocol_of_one_budget_beside_the_full_cache(results_dir, tmp_path):
-    rows = plot.table(results.load_records(results_dir))
-    lines = plot.side_by_side(rows, 0.2).splitlines()
+    rows = tables.table(results.load_records(results_dir))
+    lines = tables.side_by_side(rows, 0.2).splitlines()
     assert lines[2] == "| task | model | metric | n | full | h2o (prefill) | h2o (simulate) | local (simulate) |"
     assert "| copa | tiny-llama | acc | 10 | 0.700 ± 0.050 | 0.660 ± 0.050 | 0.650 ± 0.050 | 0.550 ± 0.050 |" in lines
     assert "| xsum | tiny-llama | rouge2 | 10 |  |  | 0.040 ± 0.050 |  |" in lines  # no full-cache xsum record
     plot.main([str(results_dir), "--out", str(tmp_path / "plots"), "--at", "0.1", "0.2"])
-    assert (tmp_path / "plots" / "at_0.2.md").read_text() == plot.side_by_side(rows, 0.2)
+    assert (tmp_path / "plots" / "at_0.2.md").read_text() == tables.side_by_side(rows, 0.2)
     assert "0.600 ± 0.050" in (tmp_path / "plots" / "at_0.1.md").read_text()
 
 
@@ -88,12 +89,12 @@ def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
 
 
 def test_regenerated_figures_are_the_same_bytes_on_another_day(results_dir, tmp_path, monkeypatch):
-    figures = {}
+    drawn = {}
     for day, epoch in enumerate(("0", "86400")):
         monkeypatch.setenv("SOURCE_DATE_EPOCH", epoch)  # the creation date matplotlib would write
         plot.main([str(results_dir), "--task", "copa", "--out", str(tmp_path / str(day))])
-        figures[day] = {name: (tmp_path / str(day) / name).read_bytes() for name in ("copa.png", "copa.pdf")}
-    assert figures[0] == figures[1]
+        drawn[day] = {name: (tmp_path / str(day) / name).read_bytes() for name in ("copa.png", "copa.pdf")}
+    assert drawn[0] == drawn[1]
 
 
 def test_summary_states_the_summed_and_the_elapsed_compute_of_its_records(tmp_path):
@@ -128,7 +129,7 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     long_record(results_dir, "vt", "full", 1.0, [[1]] * 4)
     long_record(results_dir, "vt", "h2o", 0.5, [[1]] * 3 + [[0]])
 
-    notebook = nbformat.read(plot.NOTEBOOK, as_version=4)
+    notebook = nbformat.read(REPO / "notebooks" / "accuracy_vs_budget.ipynb", as_version=4)
     os.environ["H2O_EVAL_RESULTS"] = str(results_dir)
     try:
         NotebookClient(
@@ -141,7 +142,7 @@ def test_notebook_runs_on_a_results_directory(results_dir, tmp_path):
     text = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
     assert "| copa | tiny-llama | simulate | h2o | 20% | acc | 0.6500 ± 0.0500 |" in text
     assert "| tiny-llama | context | 4096 | h2o | 50% | 75.0 [" in text  # the long-context headline
-    assert "Leaderboard: tiny-llama, protocol context, 4096 tokens, 1 question per context." in text
+    assert "Leaderboard: tiny-llama, protocol context, 4096 tokens, 1 question per context, all documents." in text
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # copa, xsum, vt and the leaderboard
 
 
@@ -172,8 +173,8 @@ def test_plot_skips_a_truncated_record_and_a_foreign_json_naming_them(results_di
     assert f"warning: skipped {results_dir / 'foreign.json'} is not a record (no model, task" in warnings[0]
     assert warnings[1].startswith(f"warning: skipped {results_dir / 'truncated.json'} is not valid JSON")
     assert len(warnings) == 2
-    assert (tmp_path / "plots" / "summary.md").read_text() == plot.markdown(
-        plot.table(results.load_records(results_dir))
+    assert (tmp_path / "plots" / "summary.md").read_text() == tables.markdown(
+        tables.table(results.load_records(results_dir))
     )
 
 
@@ -183,8 +184,8 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
             tmp_path / f"r{number}.json", {**fake_record("copa", "h2o", budget, value), "limit": limit}
         )
     results.write_record(tmp_path / "full.json", {**fake_record("copa", "full", 1.0, 0.9), "limit": None})
-    rows = plot.table(results.load_records(tmp_path))
-    figure = plot.figure(rows, "copa")
+    rows = tables.table(results.load_records(tmp_path))
+    figure = figures.figure(rows, "copa")
     handles, labels = figure.axes[0].get_legend_handles_labels()
     lines = {
         label: list(zip(*handle.lines[0].get_data(), strict=True))  # an errorbar: its data line
@@ -192,15 +193,28 @@ def test_records_of_different_limits_are_never_one_line(tmp_path, capsys):
         if label.startswith("h2o")
     }
     assert len(lines) == 2 and "tiny-llama, all documents: full cache" in labels
+    assert figure.axes[0].get_title() == "copa: tiny-llama, limit=10, limit=50 and all documents"
     assert lines["h2o – tiny-llama, limit=10"] == [(10.0, 0.5), (20.0, 0.6)]
     assert lines["h2o – tiny-llama, limit=50"] == [(20.0, 0.7), (50.0, 0.8)]
-    table = plot.side_by_side(rows, 0.2)
+    table = tables.side_by_side(rows, 0.2)
     assert "| copa | tiny-llama (limit=10) | acc | 10 |  | 0.600 ± 0.050 |" in table
     assert "| copa | tiny-llama (limit=50) | acc | 10 |  | 0.700 ± 0.050 |" in table
     assert "| copa | tiny-llama (all documents) | acc | 10 | 0.900 ± 0.050 |  |" in table
     plot.main([str(tmp_path), "--out", str(tmp_path / "plots")])
     assert "note: copa has records of limit=10, limit=50, all documents: they are drawn and tabled apart" in (
         capsys.readouterr().err
+    )
+
+
+def test_a_figure_title_names_the_models_and_the_documents_its_records_were_scored_on(results_dir):
+    """A new user saw a figure titled "copa": without the model and the documents (the ``limit``) its numbers
+    cannot be read, nor told from another run's."""
+    rows = tables.table(results.load_records(results_dir))
+    assert figures.figure(rows, "copa").axes[0].get_title() == "copa: tiny-llama, limit=10"
+    other = {**fake_record("copa", "h2o", 0.2, 0.7), "model": "smollm2-135m", "limit": None}
+    rows = tables.table([fake_record("copa", "h2o", 0.2, 0.6), other])
+    assert figures.figure(rows, "copa").axes[0].get_title().replace("\n", " ") == (
+        "copa: smollm2-135m and tiny-llama, limit=10 and all documents"
     )
 
 
@@ -231,8 +245,8 @@ def paired_dir(tmp_path):
 
 
 def test_paired_rows_compare_each_run_with_the_full_cache_document_by_document(paired_dir):
-    rows = plot.table(results.load_records(paired_dir))
-    compared = {(r["task"], r["policy"]): r for r in plot.paired_rows(rows, paired_dir)}
+    rows = tables.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"]): r for r in paired.paired_rows(rows, paired_dir)}
     assert set(compared) == {
         ("copa", "h2o"),
         ("copa", "local"),
@@ -256,8 +270,8 @@ def test_no_mean_over_tasks_when_a_task_was_scored_on_two_limits(paired_dir, cap
     """PIQA rerun on more documents beside its first run: a mean over tasks would count PIQA twice."""
     paired_record(paired_dir, "piqa40-full", "piqa", "full", 1.0, [1] * 40, limit=40)
     paired_record(paired_dir, "piqa40-local", "piqa", "local", 0.2, [0] * 40, limit=40)
-    rows = plot.table(results.load_records(paired_dir))
-    compared = {(r["task"], r["policy"], r["limit"]) for r in plot.paired_rows(rows, paired_dir)}
+    rows = tables.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"], r["limit"]) for r in paired.paired_rows(rows, paired_dir)}
     assert ("piqa", "local", 40) in compared and ("piqa", "local", None) in compared
     assert ("mean of 2 tasks", "h2o", None) in compared  # h2o's tasks are each scored once
     assert not any(task.startswith("mean") and policy == "local" for task, policy, _ in compared)
@@ -267,8 +281,8 @@ def test_no_mean_over_tasks_when_a_task_was_scored_on_two_limits(paired_dir, cap
 
 
 def test_against_a_policy_pairs_the_same_budget_and_protocol(paired_dir):
-    rows = plot.table(results.load_records(paired_dir))
-    compared = {(r["task"], r["policy"]): r for r in plot.paired_rows(rows, paired_dir, against="local")}
+    rows = tables.table(results.load_records(paired_dir))
+    compared = {(r["task"], r["policy"]): r for r in paired.paired_rows(rows, paired_dir, against="local")}
     assert set(compared) == {("copa", "h2o"), ("piqa", "h2o"), ("mean of 2 tasks", "h2o")}
     assert compared["copa", "h2o"]["paired"].difference == pytest.approx(22 / 40)
     assert compared["copa", "h2o"]["baseline"] == pytest.approx(10 / 40)
@@ -285,9 +299,9 @@ def test_the_paired_table_and_the_rings_mark_only_significant_differences(paired
     assert copa["h2o"].endswith("] | 0.25 (too few documents differ for p < 0.05) | McNemar mid-p |")
     assert "**Primary test (the verdict): p**" in table[0] and "McNemar" in table[0]
     assert not any("omitted" in line for line in table)  # one question per document: McNemar is valid
-    rows = plot.table(results.load_records(paired_dir))
-    significant = frozenset(plot._setting(r) for r in plot.paired_rows(rows, paired_dir) if r["paired"].significant)
-    figure = plot.figure(rows, "copa", significant)
+    rows = tables.table(results.load_records(paired_dir))
+    significant = paired.significant_settings(paired.paired_rows(rows, paired_dir))
+    figure = figures.figure(rows, "copa", significant)
     rings = [c for c in figure.axes[0].collections if isinstance(c, PathCollection) and len(c.get_offsets())]
     ringed = [c.get_offsets().tolist() for c in rings]
     assert ringed == [[[20.0, 0.25]]]  # local at 20 %, 10 of 40 right
@@ -310,9 +324,9 @@ def test_a_long_context_task_is_compared_at_each_length_apart(tmp_path, capsys):
             record |= {"length": length, "limit": 12, "outputs": f"{name}.outputs.jsonl"}  # a record names no metric
             record["metrics"] = {"string_match_all": sum(outcomes) / 12}
             results.write_record(tmp_path / f"{name}.json", record)
-    rows = plot.table(results.load_records(tmp_path))
+    rows = tables.table(results.load_records(tmp_path))
     assert sorted({r["task"] for r in rows}) == ["niah_single_1@1024", "niah_single_1@2048"]
-    compared = {r["task"]: r["paired"].difference for r in plot.paired_rows(rows, tmp_path) if "@" in r["task"]}
+    compared = {r["task"]: r["paired"].difference for r in paired.paired_rows(rows, tmp_path) if "@" in r["task"]}
     assert compared == {"niah_single_1@1024": 0.0, "niah_single_1@2048": -1.0}
     plot.main([str(tmp_path), "--out", str(tmp_path / "plots"), "--task", "niah_single_1"])
     assert (tmp_path / "plots" / "niah_single_1@1024.png").is_file() and (
@@ -325,12 +339,12 @@ def test_cells_with_several_questions_per_document_are_tested_by_document_and_sa
     for policy, budget, lost in (("full", 1.0, 0), ("h2o", 0.25, 6)):
         per_document = [[0.0] * 4] * lost + [[1.0] * 4] * (12 - lost)
         long_record(tmp_path, "niah_single_2", policy, budget, per_document)
-    rows = plot.table(results.load_records(tmp_path))
-    (compared,) = plot.paired_rows(rows, tmp_path)
-    paired = compared["paired"]
-    assert (paired.n, paired.documents, paired.difference) == (48, 12, -0.5)
-    assert paired.test.name == "sign-flip by document" and paired.test.p == pytest.approx(2.0**-6)
-    table = plot.paired_markdown([compared]).splitlines()
+    rows = tables.table(results.load_records(tmp_path))
+    (compared,) = paired.paired_rows(rows, tmp_path)
+    verdict = compared["paired"]
+    assert (verdict.n, verdict.documents, verdict.difference) == (48, 12, -0.5)
+    assert verdict.test.name == "sign-flip by document" and verdict.test.p == pytest.approx(2.0**-6)
+    table = paired.paired_markdown([compared]).splitlines()
     assert any("McNemar's test is per question" in line and "omitted" in line for line in table)
     assert table[-1].startswith(
         "| niah_single_2@4096 | tiny-llama | context | h2o | 25% | string_match_all | 48 | 12 |"
@@ -373,12 +387,12 @@ def ruler_dir(tmp_path):
 
 
 def test_the_headline_is_each_tasks_score_and_their_unweighted_mean_with_document_intervals(ruler_dir, capsys):
-    rows = plot.table(results.load_records(ruler_dir))
+    rows = tables.table(results.load_records(ruler_dir))
     assert {r["task"]: r["metric"] for r in rows} == {
         "niah_single_2@4096": "string_match_all",
         "qa_1@4096": "string_match_part",
     }
-    full, h2o = plot.long_context(rows, ruler_dir)
+    full, h2o = headline.long_context(rows, ruler_dir)
     assert (full["policy"], h2o["policy"], h2o["budget"], h2o["length"]) == ("full", "h2o", 0.25, 4096)
     assert list(h2o["tasks"]) == ["niah_single_2", "qa_1"]  # RULER's order
     niah, qa = h2o["tasks"]["niah_single_2"], h2o["tasks"]["qa_1"]
@@ -387,18 +401,18 @@ def test_the_headline_is_each_tasks_score_and_their_unweighted_mean_with_documen
     assert niah == dataclasses.replace(stats.estimate([100.0] * 5 + [0.0] * 5), n=20)
     assert h2o["mean"].value == 62.5 and h2o["mean"].low < 62.5 < h2o["mean"].high
     assert (full["mean"].value, full["mean"].low, full["mean"].high) == (100.0, 100.0, 100.0)
-    assert plot.tasks_label(h2o["tasks"]) == "2/13 tasks"
-    assert plot.tasks_label(plot.RULER_TASKS) == "13 tasks"
-    assert plot.tasks_label(["niah_single_2", "niah_single"]) == "2 tasks (1/13 of RULER's)"
+    assert headline.tasks_label(h2o["tasks"]) == "2/13 tasks"
+    assert headline.tasks_label(headline.RULER_TASKS) == "13 tasks"
+    assert headline.tasks_label(["niah_single_2", "niah_single"]) == "2 tasks (1/13 of RULER's)"
     plot.main([str(ruler_dir), "--out", str(ruler_dir / "plots")])
     printed = capsys.readouterr().out
-    headline = (ruler_dir / "plots" / "headline.md").read_text()
-    assert headline in printed
+    written = (ruler_dir / "plots" / "headline.md").read_text()
+    assert written in printed
     mean = h2o["mean"]
     assert (
         f"| tiny-llama | context | 4096 | h2o | 25% | 62.5 [{mean.low:.1f}, {mean.high:.1f}] | 2/13 tasks "
         f"| 50.0 [{niah.low:.1f}, {niah.high:.1f}] | 75.0 [{qa.low:.1f}, {qa.high:.1f}] |"
-    ) in headline
+    ) in written
 
 
 @pytest.fixture
@@ -468,7 +482,7 @@ def test_every_leaderboard_cell_is_a_mean_over_the_same_tasks_and_a_task_some_ce
             ("snapkv", "70.0", "1"),
         }
     h2o = next(
-        s for s in plot.long_context(plot.table(results.load_records(tmp_path)), tmp_path) if s["policy"] == "h2o"
+        s for s in headline.long_context(tables.table(results.load_records(tmp_path)), tmp_path) if s["policy"] == "h2o"
     )
     assert (list(h2o["tasks"]), h2o["mean"].value) == (["niah_single_2", "vt"], 50.0)  # the headline's own mean
     for path in tmp_path.glob("niah_single_2_full_*"):
@@ -502,7 +516,7 @@ def test_tasks_scored_on_different_limits_share_one_leaderboard_and_a_task_on_tw
     assert lines[5].startswith("| h2o | 55.0 [")  # (3/5 + 10/20) / 2
     with (out / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
         assert {row["limits"] for row in csv.DictReader(handle)} == {"limit=5; fwe: 20"}
-    assert plot.limits_label({"cwe": 20, "vt": 5, "niah_single_1": 5, "fwe": 20, "qa_2": None}) == (
+    assert headline.limits_label({"cwe": 20, "vt": 5, "niah_single_1": 5, "fwe": 20, "qa_2": None}) == (
         "limit=5; cwe, fwe: 20; qa_2: all documents"
     )
     long_record(tmp_path, "fwe", "h2o", 0.25, [[1]] * 10, limit=10)
@@ -518,10 +532,10 @@ def test_tasks_scored_on_different_limits_share_one_leaderboard_and_a_task_on_tw
 def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashed_and_dotted_ceilings(
     leaderboard_dir,
 ):
-    rows = plot.table(results.load_records(leaderboard_dir))
-    groups = plot.leaderboards(plot.long_context(rows, leaderboard_dir))
+    rows = tables.table(results.load_records(leaderboard_dir))
+    groups = leaderboards.leaderboards(headline.long_context(rows, leaderboard_dir))
     key = ("tiny-llama", "context", 4096)
-    ax = plot.leaderboard_figure(key, groups[key]).axes[0]
+    ax = leaderboards.leaderboard_figure(key, groups[key]).axes[0]
     handles, labels = ax.get_legend_handles_labels()
     lines = dict(zip(labels, handles, strict=True))
     assert labels == ["full cache", "oracle (not deployable)", "h2o", "snapkv"]
@@ -530,6 +544,9 @@ def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashe
     assert oracle.get_linestyle() == ":"
     assert list(h2o.get_xdata()) == [0.25, 0.5, 0.75, 0.875] and list(h2o.get_ydata()) == [80.0, 60.0, 30.0, 10.0]
     assert ax.get_xlabel() == "compression ratio (share of the context removed, 1 − budget)"
+    assert ax.get_title().replace("\n", " ") == (
+        "tiny-llama, protocol context, 4096 tokens, 1 question per context, all documents"
+    )
 
 
 def test_cli_leaderboard_without_long_context_records_says_what_to_run(results_dir, capsys):
@@ -539,22 +556,22 @@ def test_cli_leaderboard_without_long_context_records_says_what_to_run(results_d
 
 
 def test_the_budget_axis_says_what_the_budget_is_a_share_of(results_dir, tmp_path):
-    rows = plot.table(results.load_records(results_dir))
-    assert plot.figure(rows, "xsum").axes[0].get_xlabel() == "KV cache budget (% of the sequence)"
+    rows = tables.table(results.load_records(results_dir))
+    assert figures.figure(rows, "xsum").axes[0].get_xlabel() == "KV cache budget (% of the sequence)"
     assert (
-        plot.figure(rows, "copa").axes[0].get_xlabel()
+        figures.figure(rows, "copa").axes[0].get_xlabel()
         == "KV cache budget (% of the prompt for prefill, of the sequence for simulate)"
     )
     context = [fake_record("copa", "full", 1.0, 0.7), fake_record("copa", "h2o", 0.2, 0.6, protocol="context")]
-    rows = plot.table(context)  # the full cache's protocol is not the budget's
-    assert plot.figure(rows, "copa").axes[0].get_xlabel() == "KV cache budget (% of the context)"
+    rows = tables.table(context)  # the full cache's protocol is not the budget's
+    assert figures.figure(rows, "copa").axes[0].get_xlabel() == "KV cache budget (% of the context)"
 
 
 def test_lines_at_one_budget_are_drawn_apart_and_the_oracle_is_dotted(results_dir):
     for budget, value in ((0.1, 0.69), (0.2, 0.7)):
         results.write_record(results_dir / f"oracle{budget}.json", fake_record("copa", "oracle", budget, value))
-    rows = [r for r in plot.table(results.load_records(results_dir)) if r["protocol"] == "simulate"]
-    ax = plot.figure(rows, "copa").axes[0]
+    rows = [r for r in tables.table(results.load_records(results_dir)) if r["protocol"] == "simulate"]
+    ax = figures.figure(rows, "copa").axes[0]
     handles, labels = ax.get_legend_handles_labels()
     lines = dict(zip(labels, handles, strict=True))
     assert labels == ["full cache", "h2o", "local", "oracle (not deployable)"]
@@ -585,10 +602,10 @@ LABELS = {"snapkv", "snapkv (decoding=grow)", "snapkv (window=8)"}
 def test_settings_that_differ_beyond_the_columns_are_rows_of_their_own_labelled_by_what_differs(
     snapkv_settings_dir, tmp_path, capsys
 ):
-    rows = plot.table(results.load_records(snapkv_settings_dir))
+    rows = tables.table(results.load_records(snapkv_settings_dir))
     assert {r["policy"] for r in rows} == {"full", *LABELS}
-    assert {r["policy"] for r in plot.paired_rows(rows, snapkv_settings_dir)} == LABELS
-    assert {s["policy"] for s in plot.long_context(rows, snapkv_settings_dir)} == {"full", *LABELS}
+    assert {r["policy"] for r in paired.paired_rows(rows, snapkv_settings_dir)} == LABELS
+    assert {s["policy"] for s in headline.long_context(rows, snapkv_settings_dir)} == {"full", *LABELS}
     plot.main([str(snapkv_settings_dir), "--out", str(tmp_path / "plots")])
     summary = (tmp_path / "plots" / "summary.md").read_text()
     assert "Every row, where it applies: 1 question per context." in summary
@@ -608,7 +625,7 @@ def test_questions_per_context_tell_rows_apart(tmp_path):
     for questions in (1, 2):
         settings = {"task.questions": questions}
         long_record(tmp_path, "niah_single_1", "h2o", 0.5, [[1] * questions] * 4, settings=settings, name=questions)
-    rows = plot.table(results.load_records(tmp_path))
+    rows = tables.table(results.load_records(tmp_path))
     assert {r["policy"] for r in rows} == {"h2o (1 question per context)", "h2o (2 questions per context)"}
 
 
@@ -715,15 +732,15 @@ def test_a_leaderboard_whose_tasks_ask_different_questions_per_context_names_eac
     out = tmp_path / "plots"
     plot.main([str(tmp_path), "--out", str(out)])
     capsys.readouterr()
-    headline = (out / "headline.md").read_text()
-    assert "Every row: 4 questions per context (fwe: 1)." in headline
-    assert "| tiny-llama | context | 4096 | h2o | 50% | 55.0 [" in headline  # one row over both tasks
+    written = (out / "headline.md").read_text()
+    assert "Every row: 4 questions per context (fwe: 1)." in written
+    assert "| tiny-llama | context | 4096 | h2o | 50% | 55.0 [" in written  # one row over both tasks
     assert "| mean of 2 tasks | tiny-llama | context | h2o | 50% |" in (out / "paired_full.md").read_text()
     from matplotlib.image import imread
 
     assert imread(out / "fwe@4096.png").size  # drawn; its title and labels are checked below
-    rows = plot.table(results.load_records(tmp_path))
-    fig = plot.figure(rows, "fwe@4096")
+    rows = tables.table(results.load_records(tmp_path))
+    fig = figures.figure(rows, "fwe@4096")
     ax = fig.axes[0]
-    assert ax.get_title() == "fwe@4096 (1 question per context)"
+    assert ax.get_title() == "fwe@4096: tiny-llama, limit=20 (1 question per context)"
     assert {text.get_text() for text in ax.get_legend().get_texts()} == {"full cache", "h2o"}

@@ -9,10 +9,11 @@ import test_plot
 from conftest import record_settings
 
 from h2o_eval import plot, plot_needle, results
+from h2o_eval.reports import tables
 
 
 def needle_rows(folder):
-    return plot_needle.needle_rows(plot.table(results.load_records(folder)), folder)
+    return plot_needle.needle_rows(tables.table(results.load_records(folder)), folder)
 
 
 def write_run(

@@ -1,4 +1,4 @@
-"""RULER's thirteen tasks (h2o_eval/ruler.py) checked on generated documents, with Llama-3's tokenizer (kvpress's
+"""RULER's thirteen tasks (h2o_eval/ruler/) checked on generated documents, with Llama-3's tokenizer (kvpress's
 fit) or SmolLM2's, no model weights. The strongest check is the first: documents equal RULER e40fae1's own output,
 run offline with the same tokenizer and data (its samples' hashes are recorded here)."""
 
@@ -19,6 +19,7 @@ from h2o_eval import ruler
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import smollm2_tokenizer
+from h2o_eval.ruler import sources, tasks
 from h2o_eval.runners import task_registry
 
 # sha256 (first 16 hex digits) of json.dumps([input, outputs]) of samples 0-2 that RULER e40fae1's prepare.py wrote
@@ -77,7 +78,7 @@ def full_input(document: dict, question: int = 0) -> str:
 
 @pytest.fixture(scope="module")
 def adjectives_nouns():
-    return ruler._wonderwords("adjectivelist.txt"), ruler._wonderwords("nounlist.txt")
+    return sources.wonderwords("adjectivelist.txt"), sources.wonderwords("nounlist.txt")
 
 
 @pytest.mark.parametrize("name", ruler.TASKS)
@@ -103,7 +104,7 @@ def test_the_thirteen_tasks_and_their_yaml_carry_rulers_parameters():
     for name, parameters in ruler.TASKS.items():
         loaded = task_registry()[name]
         assert loaded == {"name": name, "samples": 100 if name == "qa_2" else 500, **generic, **parameters}
-        assert set(parameters) == {"family", "max_new_tokens", "metric", *ruler.PARAMETERS[parameters["family"]]}
+        assert set(parameters) == {"family", "max_new_tokens", "metric", *tasks.PARAMETERS[parameters["family"]]}
     new_tokens = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
     for spec in ruler.TASKS.values():
         assert spec["max_new_tokens"] == new_tokens[spec["family"]]
@@ -119,9 +120,9 @@ def test_the_cut_puts_the_question_and_answer_prefix_where_kvpress_puts_them(nam
         asked = document["questions"][0]
         text = full_input(document)
         assert ruler.split_input(family, text) == (document["context"], asked["question"], asked["answer_prefix"])
-        assert ruler.QUESTION_PATTERNS[family].match(asked["question"])
-        assert ruler.ANSWER_PATTERNS[family].match(asked["answer_prefix"])
-        assert not ruler.QUESTION_PATTERNS[family].search(asked["question"][1:] + asked["answer_prefix"])
+        assert tasks.QUESTION_PATTERNS[family].match(asked["question"])
+        assert tasks.ANSWER_PATTERNS[family].match(asked["answer_prefix"])
+        assert not tasks.QUESTION_PATTERNS[family].search(asked["question"][1:] + asked["answer_prefix"])
         if family in ("niah", "vt", "cwe", "fwe"):
             assert document["context"].endswith("\n")
         assert asked["question"].endswith(" ")
@@ -206,7 +207,7 @@ def test_needles_keys_values_and_haystacks_are_rulers(
     context once; the haystack is the first N essay words, N noise lines, or N distractor needles."""
     adjectives, nouns = set(adjectives_nouns[0]), set(adjectives_nouns[1])
     kind = ruler.TASKS[name]["type_needle_v"]
-    essay = ruler._words_of(data_dir / ruler.ESSAYS, "text")
+    essay = sources.words_of(data_dir / sources.ESSAYS, "text")
     for document in documents(name, data_dir):
         context = document["context"].split("\n", 1)[1]
         asked_values = document["questions"][0]["outputs"]
@@ -235,7 +236,7 @@ def test_needles_keys_values_and_haystacks_are_rulers(
             assert bare.lstrip().startswith("July 2010What hard liquor, cigarettes, heroin, and crack")
         elif haystack == "repeat":
             assert document["haystack_units"] == 150
-            assert [line for line in bare.split("\n") if line] == [ruler.NOISE] * 150
+            assert [line for line in bare.split("\n") if line] == [tasks.NOISE] * 150
 
 
 def test_the_distractor_haystacks_have_rulers_sizes_at_4k(data_dir):
@@ -252,16 +253,16 @@ def test_the_distractor_haystacks_have_rulers_sizes_at_4k(data_dir):
 def test_essay_depths_are_drawn_uniformly_from_rulers_forty(data_dir):
     """A chi-square goodness-of-fit over 400 documents: the asked needle's depth is uniform over RULER's 40 depths
     (as random.sample draws it), and multikey's four needles never share a depth."""
-    assert [round(100 * i / 39) for i in range(40)] == ruler.DEPTHS
+    assert [round(100 * i / 39) for i in range(40)] == tasks.DEPTHS
     found = [d["questions"][0]["depths"][0] for d in documents("niah_single_2", data_dir, limit=400, length=1024)]
     counts = Counter(found)
-    assert set(counts) <= set(ruler.DEPTHS)
-    assert chisquare([counts[depth] for depth in ruler.DEPTHS]).pvalue > 0.001
+    assert set(counts) <= set(tasks.DEPTHS)
+    assert chisquare([counts[depth] for depth in tasks.DEPTHS]).pvalue > 0.001
     grid = [
         d["questions"][0]["depths"][0]
         for d in documents("niah_single_2", data_dir, limit=400, length=1024, depths=[0, 25, 50, 75, 100])
     ]
-    assert chisquare([Counter(grid)[depth] for depth in ruler.DEPTHS]).pvalue < 1e-6
+    assert chisquare([Counter(grid)[depth] for depth in tasks.DEPTHS]).pvalue < 1e-6
     for document in documents("niah_multiquery", data_dir, limit=20, length=2048):
         assert len(set(document["questions"][0]["depths"])) == 4
 
@@ -273,8 +274,8 @@ def test_lengths_fit_the_limit_within_one_fitting_step(name, data_dir):
     config = task(name)
     count = ruler.fit_counter(config, None)
     step = {
-        "repeat": count("\n".join([ruler.NOISE] * 25)),
-        "essay": count(" ".join(ruler._words_of(data_dir / ruler.ESSAYS, "text")[:500])),
+        "repeat": count("\n".join([tasks.NOISE] * 25)),
+        "essay": count(" ".join(sources.words_of(data_dir / sources.ESSAYS, "text")[:500])),
         "needle": 25
         * count(
             "\nOne of the special magic uuids for 00000000-0000-4000-8000-000000000000 is: "
@@ -308,7 +309,7 @@ def test_the_model_tokenizer_fits_as_ruler_does_with_it(data_dir):
 @pytest.mark.parametrize("name", ["qa_1", "qa_2"])
 def test_qa_documents_hold_their_gold_paragraphs(name, data_dir):
     dataset = ruler.TASKS[name]["dataset"]
-    rows = read_jsonl(data_dir / ruler.DATASETS[dataset])
+    rows = read_jsonl(data_dir / sources.DATASETS[dataset])
     if dataset == "squad":
         rows = [row for row in rows if row["answers"]["text"]]
     for index, document in enumerate(documents(name, data_dir, limit=5)):
@@ -342,7 +343,7 @@ def test_k_questions_share_one_context_with_distinct_keys_at_spread_depths(data_
             (value,) = question["outputs"]
             assert document["context"].count(f"One of the special magic numbers for {key} is: {value}.") == 1
         depths = [q["depths"][0] for q in questions]
-        quarters = sorted(ruler.DEPTHS.index(depth) // 10 for depth in depths)
+        quarters = sorted(tasks.DEPTHS.index(depth) // 10 for depth in depths)
         assert quarters == [0, 1, 2, 3]
         assert document["fit_tokens"] == max(
             ruler.fit_counter(task("niah_single_2"), None)(full_input(document, k)) for k in range(4)
@@ -360,7 +361,7 @@ def test_k_questions_on_line_haystacks_vt_and_qa(data_dir):
             value = question["question"].split()[-5]
             assert f"VAR {chain[0]} = {value}" in document["context"]
             assert all(f"VAR {b} = VAR {a} " in document["context"] for a, b in itertools.pairwise(chain))
-    rows = [row for row in read_jsonl(data_dir / ruler.DATASETS["squad"]) if row["answers"]["text"]]
+    rows = [row for row in read_jsonl(data_dir / sources.DATASETS["squad"]) if row["answers"]["text"]]
     for index, document in enumerate(documents("qa_1", data_dir, limit=3, questions=3)):
         for k, question in enumerate(document["questions"]):
             row = rows[index * 3 + k]
@@ -426,7 +427,7 @@ def test_qa_asks_only_the_questions_of_the_documents_a_run_takes(data_dir):
         ruler.check(qa, data_dir, 51)
     with pytest.raises(ConfigError, match=re.escape("(100 documents x 2)")):
         ruler.check(qa, data_dir)
-    rows = list(read_jsonl(data_dir / ruler.DATASETS["hotpotqa"]))
+    rows = list(read_jsonl(data_dir / sources.DATASETS["hotpotqa"]))
     (document,) = documents("qa_2", data_dir, limit=1, questions=2)
     (fewer,) = documents("qa_2", data_dir, limit=1, questions=2, samples=50)
     assert document == fewer
@@ -434,7 +435,7 @@ def test_qa_asks_only_the_questions_of_the_documents_a_run_takes(data_dir):
 
 
 def test_data_files_name_what_each_task_reads(data_dir, tmp_path):
-    assert ruler.data_files(task("niah_single_2"), data_dir) == [data_dir / ruler.ESSAYS]
+    assert ruler.data_files(task("niah_single_2"), data_dir) == [data_dir / sources.ESSAYS]
     assert ruler.data_files(task("qa_1"), data_dir) == [data_dir / "squad_v2/validation.jsonl"]
     assert ruler.data_files(task("qa_2"), data_dir) == [data_dir / "hotpotqa/validation.jsonl"]
     for name in ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe"):
@@ -470,21 +471,21 @@ def test_the_niah_keys_are_rulers_sorted_adjective_noun_pairs(adjectives_nouns):
     adjectives that includes hyphenated ones."""
     adjectives = ["free", "free-range", "freeze", "a", "a-b", "b", "free"]
     nouns = ["range", "b-c", "zoo", "apple", "zoo", "c"]
-    pairs = ruler._SortedPairs(adjectives, nouns)
+    pairs = sources.SortedPairs(adjectives, nouns)
     assert list(pairs) == sorted({f"{a}-{n}" for a in adjectives for n in nouns})
     real_adjectives, real_nouns = adjectives_nouns
     hyphenated = [a for a in real_adjectives if "-" in a]
     roots = {a.split("-")[0] for a in hyphenated}
     chosen = sorted(set(real_adjectives[:40] + hyphenated + [a for a in real_adjectives if a in roots]))
-    pairs = ruler._SortedPairs(chosen, real_nouns)
+    pairs = sources.SortedPairs(chosen, real_nouns)
     assert list(pairs) == sorted({f"{a}-{n}" for a in chosen for n in real_nouns})
-    assert len(ruler._adjective_nouns()) == len({a for a in real_adjectives}) * len(set(real_nouns))
+    assert len(sources.adjective_nouns()) == len({a for a in real_adjectives}) * len(set(real_nouns))
 
 
 def test_wonderwords_is_the_version_ruler_read():
     """wonderwords 3.x dropped four nouns ("abortion", "brocolli", "idiot", "pray"), which moves every key."""
-    assert len(ruler._wonderwords("nounlist.txt")) == 6786
-    assert {"abortion", "brocolli", "idiot", "pray"} <= set(ruler._wonderwords("nounlist.txt"))
+    assert len(sources.wonderwords("nounlist.txt")) == 6786
+    assert {"abortion", "brocolli", "idiot", "pray"} <= set(sources.wonderwords("nounlist.txt"))
 
 
 def test_rulers_metrics_on_hand_made_predictions():

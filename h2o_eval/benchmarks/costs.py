@@ -83,7 +83,7 @@ def task_costs(folder: Path, model: str) -> dict[str, tuple[float, int, int]]:
 def leaderboard_estimate(shared: Path, one: Path, model: str, documents: int) -> list[tuple[str, str, float]]:
     """Per RULER task, how its one-question cost was found and the seconds its cells would take on ``documents``
     contexts of one question each (see the module)."""
-    from h2o_eval.plot import RULER_TASKS
+    from h2o_eval.reports.headline import RULER_TASKS
 
     many, single = task_costs(shared, model), task_costs(one, model)
     split = {}  # task -> (c, q) from both protocols: D4 c + Q4 q = T4 and D1 c + Q1 q = T1
