@@ -58,20 +58,24 @@ def preset_sweep(overrides: list[str]) -> list[str]:
 
 
 def compose(overrides: list[str]) -> dict[str, Any]:
-    """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name, or a
-    task setting its task does not take, stops the whole sweep with one line."""
+    """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name (one
+    line listing the names to use), a config Hydra cannot compose, or a task setting its task does not take, stops
+    the whole sweep with one line."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
 
     from h2o_eval.callbacks import plain_config
+    from h2o_eval.names import unknown_names
     from h2o_eval.runners import check_task_keys
     from h2o_eval.threads import default_threads
 
+    if unknown := unknown_names(overrides):
+        raise ConfigError(unknown[0])
     try:
         with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
             config = plain_config(hydra_compose(config_name="config", overrides=overrides))
-    except HydraException as error:  # e.g. "Could not find 'policy/x'", then the options, one per line
+    except HydraException as error:  # its message, then the options, one per line
         lines = [line.strip() for line in str(error).split("Config search path")[0].splitlines() if line.strip()]
         raise ConfigError(lines[0] + (f" ({lines[1]} {', '.join(lines[2:])})" if len(lines) > 2 else "")) from None
     check_task_keys(config["task"])
@@ -95,13 +99,17 @@ def groups(specs: list[Spec]) -> list[list[Spec]]:
 
 
 def main(argv: list[str]) -> None:
-    """Compose every cell (a typo stops all), refuse the invalid ones (as ``--multirun`` fails those jobs), skip
-    those with records, compute the rest; exit 1 if a cell was refused."""
+    """Compose every cell (an unknown name, one line each, or a typo stops all), refuse the invalid ones (as
+    ``--multirun`` fails those jobs), skip those with records, compute the rest; exit 1 if a cell was refused."""
     from h2o_eval import results
+    from h2o_eval.names import unknown_names
     from h2o_eval.run import compute, execute, existing, fail, summary_line, validate
 
+    overrides = preset_sweep(argv)
+    if unknown := unknown_names(overrides):
+        fail(*unknown)
     try:
-        cells = [(cell, compose(cell)) for cell in expand(preset_sweep(argv))]
+        cells = [(cell, compose(cell)) for cell in expand(overrides)]
     except ConfigError as error:
         fail(error)
     specs, refused = [], []

@@ -16,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from h2o_eval import results, settings, tracking
 from h2o_eval.errors import ConfigError
@@ -366,6 +366,8 @@ def summary_line(record: dict[str, Any]) -> str:
     )
 
 
-def fail(error: ConfigError) -> None:
-    print(f"error: {error}", file=sys.stderr)
+def fail(*errors: ConfigError | str) -> NoReturn:
+    """Stop with one line ``error: ...`` per error and exit status 2 (bad input)."""
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
