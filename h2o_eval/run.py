@@ -29,6 +29,7 @@ TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of th
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 WANDB_MODES = ("offline", "online", "disabled")
+ON_ERROR = ("stop", "skip")  # a sweep's or grid's invalid jobs: stop before anything runs, or run the others
 
 
 def _is_int(value: Any) -> bool:
@@ -92,6 +93,8 @@ def validate(config: dict[str, Any]) -> Spec:
     resolve_dtype(config["dtype"], device)
     if config["kernels"] == "triton":
         check_kernels("triton", device.type)
+    if config["on_error"] not in ON_ERROR:
+        raise ConfigError(f"on_error={config['on_error']!r}: use one of {', '.join(ON_ERROR)}")
     if config["wandb"]["mode"] not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
     timeout = config["wandb"]["init_timeout"]

@@ -365,12 +365,12 @@ def test_only_one_prompt_under_one_scoring_shares_extra_passes():
 @pytest.mark.slow
 def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch, capsys):
     """A sweep through the grid: shareable cells run together, a simulate cell alone, SnapKV's simulate cell is
-    refused in one line; each record sits where ``python -m h2o_eval`` looks for it (a run of the same cell
-    skips), and answers as a separate run does."""
+    refused in one line (``on_error=skip``); each record sits where ``python -m h2o_eval`` looks for it (a run of
+    the same cell skips), and answers as a separate run does."""
     monkeypatch.chdir(tmp_path)
     args = ["model=tiny-llama", "task=niah_single_1", "task.length=700", "++task.max_new_tokens=6", "limit=4"]
     args += ["batch_size=2", f"data_dir={data_dir}", "results_dir=grid", "wandb.mode=disabled"]
-    sweep = [*args, "policy=h2o,snapkv,full", "budget=0.3,0.5", "protocol=prefill,context,simulate"]
+    sweep = [*args, "policy=h2o,snapkv,full", "budget=0.3,0.5", "protocol=prefill,context,simulate", "on_error=skip"]
     with pytest.raises(SystemExit) as stopped:
         grid.main(sweep)
     out = capsys.readouterr().out
@@ -411,6 +411,22 @@ def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
     with pytest.raises(ConfigError, match="cannot be shared"):
         SharedPrompt([EvictionCache(load_model("tiny-llama")[0], make_policy("h2o", budget=0.5))])
+
+
+def test_an_invalid_cell_stops_the_grid_before_anything_runs(data_dir, tmp_path, capsys):
+    """SnapKV cannot simulate: its two simulate cells are one line each, and the valid cells do not run."""
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=700", "limit=2", f"data_dir={data_dir}"]
+    args += ["policy=h2o,snapkv", "budget=0.3,0.5", "protocol=prefill,simulate", f"results_dir={tmp_path / 'r'}"]
+    with pytest.raises(SystemExit) as stopped:
+        grid.main(args)
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"error: policy=snapkv budget={budget} protocol=simulate: policy 'snapkv' exists only in the prefill and "
+        "context protocols: use protocol=prefill"
+        for budget in (0.3, 0.5)
+    ]
+    assert out == "" and not (tmp_path / "r").exists()
 
 
 def test_the_grid_refuses_a_task_setting_its_task_does_not_take_in_one_line(tmp_path, capsys):
