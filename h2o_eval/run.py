@@ -123,8 +123,8 @@ def _check_writable(results_dir: Path) -> None:
 def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
     """Run one resolved config (the Hydra config as a plain dict) and return its result record.
 
-    ``work_dir`` receives the files of this run besides its record (lm-eval task YAMLs, W&B's
-    offline files); a temporary directory is used when it is None.
+    ``work_dir`` receives the files of this run besides its record (W&B's offline run); ``results_dir`` when it
+    is None, so nothing lands in the system's temporary folder.
     """
     return execute(validate(config), work_dir)[1]
 
@@ -212,8 +212,8 @@ def finish(
     """Write a computed run's record (the runner's ``evaluation``, ``seconds`` of wall time of the evaluation
     itself, the model's load apart as ``load_seconds``, ``git`` the
     :func:`~h2o_eval.results.git_commit` read when the computation started) and per-document outputs at
-    its path, log it to W&B and print its summary line. Returns the record."""
-    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
+    its path, log it to W&B (its offline run under ``work_dir``, else under ``results_dir``) and print its summary
+    line. Returns the record."""
     config, policy, path = spec.config, spec.policy, spec.path
     record = {
         "schema_version": results.SCHEMA_VERSION,
@@ -242,9 +242,9 @@ def finish(
 
     if evaluation.table:
         print(evaluation.table)
-    tracking.log_run(config["wandb"], record, path.stem, work_dir)
+    tracking.log_run(config["wandb"], record, path.stem, work_dir or Path(config["results_dir"]))
     _warn_tiny_budget(record)
-    print(summary_line(record))  # last, below lm-eval's table and W&B's output
+    print(summary_line(record))  # last, below lm-eval's table
     print(f"record: {path}")
     return record
 

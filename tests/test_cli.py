@@ -76,6 +76,11 @@ def test_cli_runs_records_logs_and_skips_the_rerun(tmp_path, data_dir):
     assert summary.startswith("tiny-llama | piqa | full budget=1.0") and where == f"record: {records[0]}"
     assert list((tmp_path / "out").rglob("offline-run-*/run-*.wandb")), "W&B offline run not written"
     assert not list((tmp_path / "out").glob(".*.tmp"))
+    # lm-eval's log lines and W&B's messages go to the run's log file, not to the terminal
+    terminal = done.stdout + done.stderr
+    assert "[lm_eval." not in terminal and "wandb:" not in terminal, terminal[-3000:]
+    (log,) = (tmp_path / "out" / "hydra").rglob("__main__.log")
+    assert "[lm_eval.evaluator]" in log.read_text() and "wandb: wandb sync " in log.read_text()
 
     before = records[0].stat().st_mtime_ns
     again = h2o_eval(*args, cwd=tmp_path)

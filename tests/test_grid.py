@@ -4,6 +4,9 @@ cells answer as separate runs, and ``python -m h2o_eval.grid`` writes the record
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -436,6 +439,24 @@ def test_the_grid_refuses_a_task_setting_its_task_does_not_take_in_one_line(tmp_
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and error.startswith("error: task niah_single_1 takes no num_hops: its settings are ")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_the_grids_wandb_runs_go_under_results_dir_and_nothing_into_the_temporary_folder(data_dir, tmp_path):
+    """The grid's W&B offline runs land in ``<results_dir>/wandb/``; the system's temporary folder (``TMPDIR``) is
+    left as it was. torch's own compile cache is pointed elsewhere: it is torch's, made on import."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {**os.environ, "TMPDIR": str(temporary), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=600", "++task.max_new_tokens=2", "limit=2"]
+    args += ["policy=h2o,local", "budget=0.5", "protocol=prefill", f"data_dir={data_dir}", "results_dir=out"]
+    args += ["wandb.mode=offline"]
+    done = subprocess.run([sys.executable, "-m", "h2o_eval.grid", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb"))) == 2
+    assert not list(temporary.iterdir())
+    assert "wandb:" not in done.stdout + done.stderr
 
 
 def test_grid_records_name_the_commit_their_cells_started_from(data_dir, tmp_path, commit_lands_during_the_run):
