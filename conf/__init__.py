@@ -22,6 +22,15 @@ def options(group: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def listed(group: str) -> list[str]:
+    """The options of a config group that a user picks from, sorted: every one but the models with random weights
+    (``source: random``: the tests' tiny models, and real models' shapes for timing), which work when named but are
+    left out of every list of names."""
+    return sorted(
+        name for name, config in options(group).items() if not (group == "model" and config.get("source") == "random")
+    )
+
+
 def task_default(task: Mapping[str, Any], setting: str) -> Any:
     """``protocol`` or ``num_fewshot`` when not given: what the task's runner says (simulate and 0 shots for
     log-likelihood tasks; prefill, and the template's or the lm-eval YAML's shots, for generation)."""

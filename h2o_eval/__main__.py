@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from h2o_eval.callbacks import plain_config
 from h2o_eval.errors import ConfigError
+from h2o_eval.names import unknown_names
 from h2o_eval.run import execute, fail, record_failure, validate
 from h2o_eval.threads import default_threads
 
@@ -69,5 +71,15 @@ def given_settings(cfg: DictConfig) -> dict[str, Any]:
     return settings
 
 
+def check_names(argv: list[str]) -> None:
+    """An unknown name on the command line (``policy=nope``, in a sweep too) stops the app before Hydra composes a
+    config: one line each, listing the names to use, and exit status 2."""
+    from hydra._internal.utils import get_args_parser
+
+    if unknown := unknown_names(get_args_parser().parse_args(argv).overrides):
+        fail(*unknown)
+
+
 if __name__ == "__main__":
+    check_names(sys.argv[1:])
     main()

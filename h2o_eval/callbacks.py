@@ -54,8 +54,10 @@ def _missing(node: DictConfig, prefix: str = "") -> Iterator[str]:
 
 
 class ValidateFirst(Callback):
-    """A single run's settings and files are checked before Hydra creates ``<results_dir>/hydra/...``: a bad
-    setting (a read-only ``results_dir`` included) stops it with one line and exit status 2, leaving nothing."""
+    """Settings and files are checked before Hydra creates ``<results_dir>/hydra/...``: a bad setting (a read-only
+    ``results_dir`` included) stops a single run with one line and exit status 2, leaving nothing. A sweep checks
+    every job before the first runs: under ``on_error=stop`` one invalid job stops it all, one line per invalid
+    job; under ``on_error=skip`` the invalid jobs fail in their turn (:func:`h2o_eval.__main__.main`)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from h2o_eval.run import fail, validate
@@ -64,6 +66,34 @@ class ValidateFirst(Callback):
             validate(plain_config(config))
         except ConfigError as error:
             fail(error)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.errors import HydraException
+
+        from h2o_eval.grid import expand, one_line, refusal
+        from h2o_eval.names import unknown_names
+        from h2o_eval.run import fail, validate
+
+        params = config.hydra.sweeper.get("params") or {}
+        # the jobs as Hydra's basic sweeper makes them: the preset's sweeps, then the command line's over them
+        overrides = [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+        if unknown := unknown_names(overrides):
+            fail(*unknown)
+        if config.on_error == "skip":
+            return
+        loader = GlobalHydra.instance().config_loader()
+        jobs = expand(overrides)
+        refused = []
+        for job in jobs:
+            try:
+                validate(plain_config(loader.load_sweep_config(config, job)))
+            except HydraException as error:
+                refused.append(refusal(job, jobs, one_line(error)))
+            except ConfigError as error:
+                refused.append(refusal(job, jobs, error))
+        if refused:
+            fail(*refused)
 
 
 class SweepSummary(Callback):

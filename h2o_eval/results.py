@@ -28,6 +28,7 @@ VERSIONED_PACKAGES = ("torch", "transformers", "lm_eval", "datasets", "hydra-cor
 NOT_IDENTITY = (
     "results_dir",
     "overwrite",
+    "on_error",
     "wandb",
     "batch_size",
     "stack_cells",

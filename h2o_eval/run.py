@@ -16,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from h2o_eval import results, settings, tracking
 from h2o_eval.errors import ConfigError
@@ -29,6 +29,7 @@ TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of th
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 WANDB_MODES = ("offline", "online", "disabled")
+ON_ERROR = ("stop", "skip")  # a sweep's or grid's invalid jobs: stop before anything runs, or run the others
 
 
 def _is_int(value: Any) -> bool:
@@ -93,6 +94,8 @@ def validate(config: dict[str, Any]) -> Spec:
     resolve_dtype(config["dtype"], device)
     if config["kernels"] == "triton":
         check_kernels("triton", device.type)
+    if config["on_error"] not in ON_ERROR:
+        raise ConfigError(f"on_error={config['on_error']!r}: use one of {', '.join(ON_ERROR)}")
     if config["wandb"]["mode"] not in WANDB_MODES:
         raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
     timeout = config["wandb"]["init_timeout"]
@@ -121,8 +124,8 @@ def _check_writable(results_dir: Path) -> None:
 def run(config: dict[str, Any], work_dir: Path | None = None) -> dict[str, Any]:
     """Run one resolved config (the Hydra config as a plain dict) and return its result record.
 
-    ``work_dir`` receives the files of this run besides its record (lm-eval task YAMLs, W&B's
-    offline files); a temporary directory is used when it is None.
+    ``work_dir`` receives the files of this run besides its record (W&B's offline run); ``results_dir`` when it
+    is None, so nothing lands in the system's temporary folder.
     """
     return execute(validate(config), work_dir)[1]
 
@@ -210,8 +213,8 @@ def finish(
     """Write a computed run's record (the runner's ``evaluation``, ``seconds`` of wall time of the evaluation
     itself, the model's load apart as ``load_seconds``, ``git`` the
     :func:`~h2o_eval.results.git_commit` read when the computation started) and per-document outputs at
-    its path, log it to W&B and print its summary line. Returns the record."""
-    work_dir = work_dir or Path(tempfile.mkdtemp(prefix="h2o_eval-"))
+    its path, log it to W&B (its offline run under ``work_dir``, else under ``results_dir``) and print its summary
+    line. Returns the record."""
     config, policy, path = spec.config, spec.policy, spec.path
     record = {
         "schema_version": results.SCHEMA_VERSION,
@@ -240,9 +243,9 @@ def finish(
 
     if evaluation.table:
         print(evaluation.table)
-    tracking.log_run(config["wandb"], record, path.stem, work_dir)
+    tracking.log_run(config["wandb"], record, path.stem, work_dir or Path(config["results_dir"]))
     _warn_tiny_budget(record)
-    print(summary_line(record))  # last, below lm-eval's table and W&B's output
+    print(summary_line(record))  # last, below lm-eval's table
     print(f"record: {path}")
     return record
 
@@ -367,6 +370,8 @@ def summary_line(record: dict[str, Any]) -> str:
     )
 
 
-def fail(error: ConfigError) -> None:
-    print(f"error: {error}", file=sys.stderr)
+def fail(*errors: ConfigError | str) -> NoReturn:
+    """Stop with one line ``error: ...`` per error and exit status 2 (bad input)."""
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
     sys.exit(2)

@@ -76,6 +76,11 @@ def test_cli_runs_records_logs_and_skips_the_rerun(tmp_path, data_dir):
     assert summary.startswith("tiny-llama | piqa | full budget=1.0") and where == f"record: {records[0]}"
     assert list((tmp_path / "out").rglob("offline-run-*/run-*.wandb")), "W&B offline run not written"
     assert not list((tmp_path / "out").glob(".*.tmp"))
+    # lm-eval's log lines and W&B's messages go to the run's log file, not to the terminal
+    terminal = done.stdout + done.stderr
+    assert "[lm_eval." not in terminal and "wandb:" not in terminal, terminal[-3000:]
+    (log,) = (tmp_path / "out" / "hydra").rglob("__main__.log")
+    assert "[lm_eval.evaluator]" in log.read_text() and "wandb: wandb sync " in log.read_text()
 
     before = records[0].stat().st_mtime_ns
     again = h2o_eval(*args, cwd=tmp_path)
@@ -100,16 +105,37 @@ def test_cfg_job_shows_the_defaults_a_summarisation_run_will_use(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("group", "valid"),
+    ("args", "line"),
     fast_sample(
-        [("model", "smollm2-135m"), ("task", "winogrande"), ("policy", "full")], lambda case: case[0] == "policy"
+        [
+            (["model=nonexistent"], "model=nonexistent: no model of that name: use one of gemma3-270m, gpt-neox-20b"),
+            (["task=nonexistent"], "task=nonexistent: no task of that name: use one of cnn_dailymail, copa, cwe"),
+            (["policy=nonexistent"], "policy=nonexistent: no policy of that name: use one of adakv, criticalkv"),
+            (["+experiment=nonexistent"], "+experiment=nonexistent: no experiment of that name: use one of kv_lead"),
+            (["task.runner=nonexistent"], "task.runner='nonexistent': use one of lm_eval, summarisation, long_context"),
+            (["--multirun", "policy=h2o,nonexistent"], "policy=nonexistent: no policy of that name: use one of"),
+            (["--cfg", "job", "task=copa,nonexistent"], "task=nonexistent: no task of that name: use one of"),
+        ],
+        lambda case: case[0] in (["policy=nonexistent"], ["--multirun", "policy=h2o,nonexistent"]),
     ),
+    ids=["model", "task", "policy", "experiment", "runner", "multirun", "cfg-job"],
 )
-def test_unknown_name_lists_the_valid_ones(tmp_path, group, valid):
-    done = h2o_eval(f"{group}=nonexistent", cwd=tmp_path)
-    assert done.returncode != 0
-    assert f"Could not find '{group}/nonexistent'" in done.stderr
-    assert f"Available options in '{group}'" in done.stderr and valid in done.stderr
+def test_an_unknown_name_is_one_line_listing_the_public_names(tmp_path, args, line):
+    done = h2o_eval(*args, "results_dir=out", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (error,) = done.stderr.strip().splitlines()
+    assert error.startswith(f"error: {line}"), error
+    assert done.stdout == "" and not list(tmp_path.iterdir())
+
+
+def test_the_model_list_leaves_out_the_random_test_models_that_still_run_when_named(tmp_path):
+    """The tiny random models of the tests and the shape models of the benchmarks work when named, but no list of
+    names shows them."""
+    done = h2o_eval("model=nonexistent", cwd=tmp_path)
+    (error,) = done.stderr.strip().splitlines()
+    assert "smollm2-135m" in error and "tiny-" not in error and "shape-" not in error
+    done = h2o_eval("--cfg", "job", "model=tiny-llama", cwd=tmp_path)
+    assert done.returncode == 0 and "name: tiny-llama" in done.stdout
 
 
 @pytest.mark.parametrize(

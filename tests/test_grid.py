@@ -4,6 +4,9 @@ cells answer as separate runs, and ``python -m h2o_eval.grid`` writes the record
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -365,12 +368,12 @@ def test_only_one_prompt_under_one_scoring_shares_extra_passes():
 @pytest.mark.slow
 def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch, capsys):
     """A sweep through the grid: shareable cells run together, a simulate cell alone, SnapKV's simulate cell is
-    refused in one line; each record sits where ``python -m h2o_eval`` looks for it (a run of the same cell
-    skips), and answers as a separate run does."""
+    refused in one line (``on_error=skip``); each record sits where ``python -m h2o_eval`` looks for it (a run of
+    the same cell skips), and answers as a separate run does."""
     monkeypatch.chdir(tmp_path)
     args = ["model=tiny-llama", "task=niah_single_1", "task.length=700", "++task.max_new_tokens=6", "limit=4"]
     args += ["batch_size=2", f"data_dir={data_dir}", "results_dir=grid", "wandb.mode=disabled"]
-    sweep = [*args, "policy=h2o,snapkv,full", "budget=0.3,0.5", "protocol=prefill,context,simulate"]
+    sweep = [*args, "policy=h2o,snapkv,full", "budget=0.3,0.5", "protocol=prefill,context,simulate", "on_error=skip"]
     with pytest.raises(SystemExit) as stopped:
         grid.main(sweep)
     out = capsys.readouterr().out
@@ -407,10 +410,26 @@ def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
         grid.main(["model=tiny-llama", "task=niah_single_1", "policy=h2o,nope", f"results_dir={tmp_path / 'r'}"])
     assert stopped.value.code == 2
     error = capsys.readouterr().err.strip()
-    assert "\n" not in error and "Could not find 'policy/nope'" in error and "snapkv" in error
+    assert "\n" not in error and error.startswith("error: policy=nope: no policy of that name: use one of adakv")
     assert not (tmp_path / "r").exists()
     with pytest.raises(ConfigError, match="cannot be shared"):
         SharedPrompt([EvictionCache(load_model("tiny-llama")[0], make_policy("h2o", budget=0.5))])
+
+
+def test_an_invalid_cell_stops_the_grid_before_anything_runs(data_dir, tmp_path, capsys):
+    """SnapKV cannot simulate: its two simulate cells are one line each, and the valid cells do not run."""
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=700", "limit=2", f"data_dir={data_dir}"]
+    args += ["policy=h2o,snapkv", "budget=0.3,0.5", "protocol=prefill,simulate", f"results_dir={tmp_path / 'r'}"]
+    with pytest.raises(SystemExit) as stopped:
+        grid.main(args)
+    assert stopped.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"error: policy=snapkv budget={budget} protocol=simulate: policy 'snapkv' exists only in the prefill and "
+        "context protocols: use protocol=prefill"
+        for budget in (0.3, 0.5)
+    ]
+    assert out == "" and not (tmp_path / "r").exists()
 
 
 def test_the_grid_refuses_a_task_setting_its_task_does_not_take_in_one_line(tmp_path, capsys):
@@ -420,6 +439,24 @@ def test_the_grid_refuses_a_task_setting_its_task_does_not_take_in_one_line(tmp_
     error = capsys.readouterr().err.strip()
     assert "\n" not in error and error.startswith("error: task niah_single_1 takes no num_hops: its settings are ")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_the_grids_wandb_runs_go_under_results_dir_and_nothing_into_the_temporary_folder(data_dir, tmp_path):
+    """The grid's W&B offline runs land in ``<results_dir>/wandb/``; the system's temporary folder (``TMPDIR``) is
+    left as it was. torch's own compile cache is pointed elsewhere: it is torch's, made on import."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {**os.environ, "TMPDIR": str(temporary), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=600", "++task.max_new_tokens=2", "limit=2"]
+    args += ["policy=h2o,local", "budget=0.5", "protocol=prefill", f"data_dir={data_dir}", "results_dir=out"]
+    args += ["wandb.mode=offline"]
+    done = subprocess.run([sys.executable, "-m", "h2o_eval.grid", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb"))) == 2
+    assert not list(temporary.iterdir())
+    assert "wandb:" not in done.stdout + done.stderr
 
 
 def test_grid_records_name_the_commit_their_cells_started_from(data_dir, tmp_path, commit_lands_during_the_run):

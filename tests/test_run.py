@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import stat
@@ -146,6 +147,18 @@ def test_wandb_offline_run_carries_config_and_metrics(tmp_path, monkeypatch):
     assert at_finish["config"]["budget"] == 0.2 and at_finish["config"]["model"] == {"name": "x"}
     assert at_finish["summary"]["acc"] == 0.75 and at_finish["summary"]["n_samples"] == 4
     assert (logged.group, logged.tags, logged.name) == ("g", ("t",), "run-name")
+
+
+def test_what_wandb_prints_goes_to_the_log_and_not_to_the_terminal(tmp_path, capsys, caplog):
+    record = {"config": {"budget": 0.2}, "metrics": {"acc": 0.5}, "n_samples": 2, "wall_seconds": 1.0}
+    settings = {"mode": "offline", "project": "p", "entity": None, "group": None, "tags": [], "init_timeout": 20}
+    with caplog.at_level(logging.INFO, logger="h2o_eval.tracking"):
+        run_id = tracking.log_run(settings, record, "quiet", tmp_path)
+    assert run_id is not None
+    printed = capsys.readouterr()
+    assert "wandb" not in printed.out + printed.err
+    logged = [r.getMessage() for r in caplog.records if r.name == "h2o_eval.tracking"]
+    assert any(line.startswith("wandb: wandb sync ") and str(tmp_path) in line for line in logged), logged
 
 
 def test_a_local_data_run_attempts_no_network(tmp_path, data_dir, monkeypatch):

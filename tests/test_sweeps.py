@@ -111,6 +111,7 @@ def test_a_failing_job_is_recorded_the_others_run_and_a_fixed_rerun_removes_its_
     local.mkdir()
     (local / "copa").symlink_to(data_dir / "copa")  # rte's data is missing
     args = ("model=tiny-llama", "task=copa,rte", "policy=h2o", "limit=4", f"data_dir={local}", "results_dir=out")
+    args += ("on_error=skip",)
     done = sweep(*args, cwd=tmp_path)
     assert done.returncode == 1
     assert "1 ran, 0 skipped, 1 failed" in done.stdout
@@ -127,8 +128,45 @@ def test_a_failing_job_is_recorded_the_others_run_and_a_fixed_rerun_removes_its_
     assert not failure.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "lines"),
+    [
+        (
+            ["budget=0.2,1.5"],
+            ["error: budget=1.5: budget=1.5: use a fraction in (0, 1]"],
+        ),
+        (
+            ["task=copa,rte", "budget=0.2,1.5", "protocol=simulate,prefill"],
+            [
+                "error: task=copa budget=1.5 protocol=simulate: budget=1.5: use a fraction in (0, 1]",
+                "error: task=copa budget=1.5 protocol=prefill: budget=1.5: use a fraction in (0, 1]",
+                "error: task=rte budget=1.5 protocol=simulate: budget=1.5: use a fraction in (0, 1]",
+                "error: task=rte budget=1.5 protocol=prefill: budget=1.5: use a fraction in (0, 1]",
+            ],
+        ),
+        (
+            ["+budget=0.3,0.5"],
+            [
+                "error: +budget=0.3: Could not append to config. An item is already at 'budget'.",
+                "error: +budget=0.5: Could not append to config. An item is already at 'budget'.",
+            ],
+        ),
+    ],
+    ids=["one-bad-job", "four-bad-jobs", "jobs-hydra-cannot-compose"],
+)
+def test_an_invalid_job_stops_the_sweep_before_any_job_runs(tmp_path, data_dir, args, lines):
+    """Every job is checked before the first runs: one line per invalid job, exit status 2, and nothing written
+    (no record, no failure record, no Hydra folder), so the valid jobs have not run either."""
+    done = sweep("model=tiny-llama", "task=copa", "policy=h2o", *args, "limit=2", f"data_dir={data_dir}",
+                 "results_dir=out", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    found = done.stderr.strip().splitlines()
+    assert len(found) == len(lines) and all(line.startswith(start) for line, start in zip(found, lines, strict=True))
+    assert done.stdout == "" and not list(tmp_path.iterdir())
+
+
 @pytest.mark.slow
-def test_an_invalid_job_of_a_sweep_is_a_failed_line_and_a_record_without_a_traceback(tmp_path, data_dir):
+def test_under_on_error_skip_an_invalid_job_is_a_failed_line_and_a_record_the_others_run(tmp_path, data_dir):
     """budget=1.5 builds no policy, so no record name: the job is still recorded under failed/ (with its
     traceback), named from its settings as given, and the sweep still ends with its summary."""
     done = sweep(
@@ -139,6 +177,7 @@ def test_an_invalid_job_of_a_sweep_is_a_failed_line_and_a_record_without_a_trace
         "limit=2",
         f"data_dir={data_dir}",
         "results_dir=out",
+        "on_error=skip",
         cwd=tmp_path,
     )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
@@ -156,9 +195,12 @@ def test_an_invalid_job_of_a_sweep_is_a_failed_line_and_a_record_without_a_trace
 
 def test_a_job_whose_task_default_cannot_resolve_is_a_failed_job(tmp_path):
     """The task's default protocol comes from its lm-eval YAML, which a missing include path cannot give: the job
-    fails like any other, its unresolved settings recorded as null."""
-    done = sweep("model=tiny-llama", "task=lm_eval", "task.name=mine", "task.include_path=nowhere", "results_dir=out",
-                 cwd=tmp_path)  # fmt: skip
+    is refused before the sweep runs, or, under on_error=skip, fails like any other, its unresolved settings
+    recorded as null."""
+    args = ("model=tiny-llama", "task=lm_eval", "task.name=mine", "task.include_path=nowhere", "results_dir=out")
+    stopped = sweep(*args, cwd=tmp_path)
+    assert stopped.returncode == 2 and stopped.stderr.startswith("error: task.include_path="), stopped.stderr
+    done = sweep(*args, "on_error=skip", cwd=tmp_path)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stdout + done.stderr
     assert "failed: ConfigError: task.include_path=" in done.stdout and "0 ran, 0 skipped, 1 failed" in done.stdout

@@ -11,14 +11,18 @@ temporary results folder; the model's load (and a GGUF's one-time conversion) is
 RULER's thirteen tasks: a task's cells cost ``D * c + Q * q`` for D contexts and Q questions. A task with records
 of both protocols (``SHARED``: several questions per context, ``ONE``: one) gives its own context cost c and
 question cost q; a task with shared records only takes the mean c of those and its own q; a task that asks one
-question per context in both is its own measure.
+question per context in both is its own measure. The records may hold fewer cells than the preset sweeps: the
+last row scales each task to ``+experiment=kv_leaderboard``'s cells, each missing cell at the mean cost of the
+task's measured ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 # (label, overrides, unit): the task families at the lengths the docs' examples use.
@@ -80,6 +84,29 @@ def task_costs(folder: Path, model: str) -> dict[str, tuple[float, int, int]]:
     return found
 
 
+def preset_cells(preset: str = "kv_leaderboard") -> tuple[int, int, int]:
+    """The policies and ratios a leaderboard preset sweeps, and its cells per task: the full cache is one cell at
+    every ratio (one record), every other policy one per ratio."""
+    from h2o_eval.conf import options
+
+    params = options("experiment")[preset]["hydra"]["sweeper"]["params"]
+    policies, budgets = str(params["policy"]).split(","), str(params["budget"]).split(",")
+    full = "full" in policies
+    return len(policies), len(budgets), (len(policies) - full) * len(budgets) + full
+
+
+def scaled_to_cells(rows: list[tuple[str, str, float]], shared: Path, one: Path, model: str, cells: int) -> float:
+    """The seconds of :func:`leaderboard_estimate`'s ``rows`` with each task at ``cells`` cells: its estimate
+    times ``cells`` over the cells its records hold (those of ONE where it has any, else of SHARED)."""
+    from h2o_eval.results import load_records
+
+    def counted(folder: Path) -> Counter[str]:
+        return Counter(r["task"] for r in load_records(folder) if r["model"] == model and "n_documents" in r)
+
+    many, single = counted(shared), counted(one)
+    return sum(seconds * cells / (single[task] or many[task]) for task, _, seconds in rows if not math.isnan(seconds))
+
+
 def leaderboard_estimate(shared: Path, one: Path, model: str, documents: int) -> list[tuple[str, str, float]]:
     """Per RULER task, how its one-question cost was found and the seconds its cells would take on ``documents``
     contexts of one question each (see the module)."""
@@ -131,6 +158,9 @@ def main() -> None:
         for task, source, seconds in rows:
             print(f"| {task} | {source} | {seconds / 3600:.1f} |")
         print(f"| all {len(rows)} | | {sum(seconds for *_, seconds in rows) / 3600:.1f} |")
+        policies, ratios, cells = preset_cells()
+        hours = scaled_to_cells(rows, *args.leaderboard, args.model, cells) / 3600
+        print(f"| kv_leaderboard: {policies} policies x {ratios} ratios, {cells} cells per task | | {hours:.1f} |")
         return
     if args.data_dir is None:
         parser.error("give --data-dir (the settings' runs) or --leaderboard SHARED ONE (an estimate from records)")
