@@ -17,7 +17,7 @@ PROVENANCE_VERSIONS = ("torch", "transformers", "lm_eval")
 # The settings every report names in its own columns, in the order the provenance lists them.
 PROVENANCE_NAMED = ("model", "task", "length", "policy", "budget", "protocol", "num_fewshot", "limit", "data")
 # How a run was run: never part of its identity (results.NOT_IDENTITY), so never a reason its numbers differ.
-PROVENANCE_HOW = ("batch_size", "stack_cells", "device", "kernels")
+PROVENANCE_HOW = ("batch_size", "stack_cells", "device", "kernels", "graphs")
 
 
 def _utc(created: str) -> datetime:
@@ -127,7 +127,7 @@ def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> 
 def _settings_lines(records: list[dict[str, Any]]) -> list[str]:
     """The settings every record shares and those that vary (each value with its record count): those the
     reports name in columns, the departures from the defaults (:func:`h2o_eval.settings.report_labels`), then
-    how the runs were run, which never changes a number (batch size, stacked cells, device, kernels)."""
+    how the runs were run, which never changes a number (batch size, stacked cells, device, kernels, graphs)."""
     shared: list[str] = []
     varying: list[str] = []
 
