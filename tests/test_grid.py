@@ -189,7 +189,7 @@ def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, 
         rows.append(len(ids))
         return decode(model, cache, ids, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "decode", counted)
+    monkeypatch.setattr("h2o_eval.generation.completion.decode", counted)
     shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
     assert rows == [len(cells) - 1, 2] * 2, "per question, the others and a full copy, then the oracle's cells"
     answers = set()
@@ -339,7 +339,9 @@ def test_the_oracles_full_answers_under_context_are_the_full_caches_from_a_copy(
     sequences = generation.complete(model, full, batch, tokenizer, **greedy)
     expected = generation.new_tokens(sequences, batch.input_ids.shape[1], generation.end_tokens(tokenizer))
     assert all(len(answer) > 3 for answer in expected) and expected[0] != expected[1]
-    monkeypatch.setattr(generation, "answers", lambda *args, **kwargs: pytest.fail("the context was fed again"))
+    monkeypatch.setattr(
+        "h2o_eval.generation.passes.answers", lambda *args, **kwargs: pytest.fail("the context was fed again")
+    )
     answered = {}
     generation.complete(model, oracle, batch, tokenizer, answered, **greedy)
     assert list(answered.values()) == [expected]

@@ -16,7 +16,6 @@ after kvpress's post-processing (control characters removed, stripped).
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,34 +160,34 @@ class LongContextRunner(Runner):
     def evaluate_shared(
         self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
     ) -> list[Evaluation]:
-        """The cells' evaluations; they differ only in policy, budget and protocol. The first chunk of a batch (the
-        contexts under ``context``, the prompts under ``prefill``), which attends in full whatever the policy, runs
-        once through a :class:`~h2o_eval.groups.SharedPrompt` of every cell's cache when there are several, each
-        compressing it by its own policy; each cell then answers alone (with ``stack_cells``, together:
-        :meth:`_Run._answer_together`). A cell's ``generated_tokens_per_s`` counts its share of the shared pass (and
-        of a stacked decode)."""
-
+        """The cells' evaluations; they differ only in policy, budget and protocol: every question answered by
+        every cell on the generation path (:func:`h2o_eval.generation.answer`: a context fed once for every cell's
+        cache, a copy of it per question), then scored with RULER's metric."""
         from h2o_eval import generation
 
         config = cells[0][1]
         task = config["task"]
         items = prompts(tokenizer, config)
         check_positions(model, items, task, config["model"]["name"])
-        run = _Run(model, tokenizer, cells, items)
-        questions = sum(len(p.question_ids) for p in items)
-        protocols = sorted({cell["protocol"] for _, cell in cells})
-        label = f"answering {task['name']}" + (f" x {len(cells)} cells" if len(cells) > 1 else "")
-        run.progress = generation.Progress(questions * len(protocols), label, "question")
-        for protocol in protocols:
-            members = [i for i, (_, cell) in enumerate(cells) if cell["protocol"] == protocol]
-            if protocol == "context":
-                run.contexts(members, generation)
-            else:
-                run.prompts(members, protocol, generation)
-        run.progress.close()
+        settings = generation.Settings(
+            max_new_tokens=task["max_new_tokens"],
+            batch_size=config["batch_size"],
+            kernels=config["kernels"],
+            decoding=config["decoding"],
+            graphs=config["graphs"],
+            stack=config["stack_cells"],
+        )
+        answered = generation.answer(
+            model,
+            tokenizer,
+            [generation.Cell(policy, cell["protocol"]) for policy, cell in cells],
+            [generation.Document(item.context_ids, item.question_ids) for item in items],
+            settings,
+            label=f"answering {task['name']}" + (f" x {len(cells)} cells" if len(cells) > 1 else ""),
+        )
         evaluations = []
-        for rows, log in zip(run.outputs, run.logs, strict=True):
-            rows.sort(key=lambda o: (o["document"], o["question"]))
+        for answers in answered:
+            rows = [_row(task, items[d], k, generated, tokenizer) for d, k, generated in answers.rows]
             n = max(len(rows), 1)
             metric = task["metric"]
             fields = {
@@ -198,229 +197,10 @@ class LongContextRunner(Runner):
                 "n_documents": len({o["document"] for o in rows}),
                 "length": task["length"],
                 "fit_tokenizer": task["fit_tokenizer"],
-                **log.fields(),
+                **answers.log.fields(),
             }
             evaluations.append(Evaluation(fields, rows))
         return evaluations
-
-
-class _Run:
-    """The state of one evaluation of several cells: their logs and outputs, and how batches are answered."""
-
-    def __init__(self, model, tokenizer, cells, items: list[Prompt]) -> None:
-        from h2o_eval import generation
-
-        self.model, self.tokenizer, self.cells, self.items = model, tokenizer, cells, items
-        self.config = cells[0][1]
-        self.task = self.config["task"]
-        self.greedy = generation.greedy(self.task["max_new_tokens"], tokenizer.pad_token_id)
-        self.ends = generation.end_tokens(tokenizer)
-        self.logs = [generation.GenerationLog(max_new_tokens=self.task["max_new_tokens"]) for _ in cells]
-        self.outputs: list[list[dict[str, Any]]] = [[] for _ in cells]
-        self.device = next(model.parameters()).device
-        self.progress: Any = None
-        # The full cache's answers the oracle's passes need, per prompt of the current batch: its cells at several
-        # budgets generate each once.
-        self.answered: dict[Any, list[list[int]]] = {}
-
-    def _caches(self, members: list[int], protocol: str) -> dict[int, Any]:
-        from h2o_eval.cache import EvictionCache
-
-        settings = {name: self.config[name] for name in ("kernels", "decoding", "graphs")}
-        return {i: EvictionCache(self.model, self.cells[i][0], protocol=protocol, **settings) for i in members}
-
-    def _answer(self, i: int, cache: Any, batch: Any, seconds: float, units: list[tuple[Prompt, int]]) -> None:
-        """Decode one batch of questions through cell ``i``'s ``cache`` and keep its outputs; ``seconds`` already
-        spent on it (a share of a shared pass) count in its decoding time."""
-        from h2o_eval import generation
-
-        began = time.perf_counter()
-        sequences = generation.complete(self.model, cache, batch, self.tokenizer, self.answered, **self.greedy)
-        self._keep(i, batch, sequences, cache, seconds + time.perf_counter() - began, units)
-
-    def _keep(self, i: int, batch: Any, sequences: Any, cache: Any, seconds: float, units: list) -> None:
-        """Log cell ``i``'s finished batch (its ``cache``, the ``seconds`` it cost) and keep a row per question."""
-        generated = self.logs[i].add(batch, sequences, cache, seconds, self.ends)
-        self.outputs[i] += [
-            _row(self.task, p, k, g, self.tokenizer) for (p, k), g in zip(units, generated, strict=True)
-        ]
-
-    def _settle(self, caches: dict[int, Any], ids: Any, mask: Any, generation: Any) -> dict[int, float]:
-        """Compress the cells' deferred contexts after their policies' extra passes (not the oracle's, whose passes
-        differ per question): one run of the passes for the cells whose policies differ only in budget
-        (:meth:`~h2o_eval.policies.Policy.rehearsal_identity`), the others taking its scores. Returns each cell's
-        share of the time."""
-        spent = dict.fromkeys(caches, 0.0)
-        together: dict[str, list[int]] = {}
-        for i, cache in caches.items():
-            if cache.deferred and not cache.policy.needs_answer:
-                together.setdefault(cache.policy.rehearsal_identity(), []).append(i)
-        for first, *rest in together.values():
-            began = time.perf_counter()
-            generation.settle(
-                self.model, caches[first], self.tokenizer, ids, mask, [[]] * ids.shape[0],
-                siblings=[caches[j] for j in rest], **self.greedy,
-            )  # fmt: skip
-            share = (time.perf_counter() - began) / (1 + len(rest))
-            for j in (first, *rest):
-                spent[j] = share
-        return spent
-
-    def contexts(self, members: list[int], generation: Any) -> None:
-        """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and
-        compressed; then each question, a group of rows whose questions have one length at a time, is answered
-        from a copy of each cell's compressed cache (the cache itself for the last group when it takes every
-        row; with ``stack_cells``, the copies of every cell stacked: :meth:`_answer_together`). A policy that
-        scores by extra passes runs them before its compression (:func:`~h2o_eval.generation.settle`), once for the
-        cells that differ only in budget; one whose passes need the question and answer (the oracle) compresses
-        each question's copy for that question."""
-        import torch
-
-        from h2o_eval.groups import SharedPrompt
-
-        size = self.config["batch_size"]
-        for start in range(0, len(self.items), size):
-            items = self.items[start : start + size]
-            self.answered = {}
-            contexts = generation.make_batch(
-                [p.context_ids for p in items], [[] for _ in items], self.tokenizer.pad_token_id, self.device,
-                split=False,
-            )  # fmt: skip
-            caches = self._caches(members, "context")
-            began = time.perf_counter()
-            feeder = caches[members[0]] if len(members) == 1 else SharedPrompt(list(caches.values()))
-            generation.feed(self.model, feeder, contexts.input_ids, contexts.attention_mask)
-            del feeder  # a SharedPrompt holds every cache's layers: each is freed once its cell has answered
-            share = (time.perf_counter() - began) / len(members)
-            groups = [
-                (k, [r for r, p in enumerate(items) if len(p.question_ids) > k and len(p.question_ids[k]) == n])
-                for k in range(max(len(p.question_ids) for p in items))
-                for n in sorted({len(p.question_ids[k]) for p in items if len(p.question_ids) > k})
-            ]
-            ids, mask = contexts.input_ids, contexts.attention_mask
-            settled = self._settle(caches, ids, mask, generation)
-            batches = []
-            for k, rows in groups:
-                questions = torch.tensor([items[r].question_ids[k] for r in rows], device=self.device)
-                kept = mask[rows]
-                batch = generation.Batch(
-                    torch.cat([ids[rows], questions], dim=1),
-                    torch.cat([kept, kept.new_ones(questions.shape)], dim=1),
-                    contexts.input_ids.shape[1],
-                )
-                batches.append((rows, batch, [(items[r], k) for r in rows]))
-            if self.config["stack_cells"] and len(members) > 1:
-                self._answer_together({i: caches.pop(i) for i in members}, batches, share, settled)
-            for i in [i for i in members if i in caches]:
-                cache, seconds = caches.pop(i), share + settled[i]
-                for position, (rows, batch, units) in enumerate(batches):
-                    last = position == len(batches) - 1 and len(rows) == len(items)
-                    self._answer(i, cache if last else cache.fork(rows), batch, seconds, units)
-                    seconds = 0.0
-            self.progress.update(sum(len(p.question_ids) for p in items))
-
-    def _answer_together(self, caches: dict[int, Any], batches: list, share: float, settled: dict[int, float]) -> None:
-        """``stack_cells``: each group of questions is answered by every cell in ``caches`` (compressed, under
-        ``decoding=grow``) in one batch, their copies stacked (:meth:`~h2o_eval.cache.EvictionCache.stack`); each
-        cell then keeps its rows, as long as its own generation would have run, and the peak its cache would
-        have reached. The oracle's cells, whose copies are compressed for the question and the full cache's
-        answer, answer in a second batch: that answer comes from a full copy of their context
-        (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first. A batch's decoding time is
-        shared equally among its cells (the full copy's share among the oracle's)."""
-        from h2o_eval import generation
-
-        plain = [i for i in caches if not caches[i].policy.needs_answer]
-        asking = [i for i in caches if caches[i].policy.needs_answer]
-        seconds = {i: share + settled[i] for i in caches}
-        for rows, batch, units in batches:
-            full = [caches[asking[0]].fork(rows).full_copy()] if asking else []
-            forks = [caches[i].fork(rows) for i in plain] + full
-            sequences, spent = self._decode_stacked(forks, plain, batch, units, seconds)
-            if not asking:
-                continue
-            width = batch.context_width
-            key = generation.answer_key(batch.input_ids, batch.attention_mask, **self.greedy)
-            self.answered[key] = generation.new_tokens(sequences[-1], batch.input_ids.shape[1], self.ends)
-            questions = batch.input_ids[:, width:].tolist()
-            compressed = []
-            for i in asking:  # one uncompressed copy of the context at a time
-                began = time.perf_counter()
-                fork = caches[i].fork(rows)
-                generation.settle(
-                    self.model, fork, self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
-                    questions, answered=self.answered, **self.greedy,
-                )  # fmt: skip
-                compressed.append(fork)
-                seconds[i] += spent / len(asking) + time.perf_counter() - began
-            self._decode_stacked(compressed, asking, batch, units, seconds)
-
-    def _decode_stacked(self, forks: list, cells: list[int], batch: Any, units: list, seconds: dict) -> tuple:
-        """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies: each of those
-        keeps its rows, cut to the steps its own generation would have run, and the peak its cache would have
-        reached. Returns every fork's sequences and the decoding time per fork."""
-        from h2o_eval import generation
-        from h2o_eval.cache import EvictionCache
-
-        began = time.perf_counter()
-        stacked = EvictionCache.stack(forks)
-        ids, mask = batch.input_ids.repeat(len(forks), 1), batch.attention_mask.repeat(len(forks), 1)
-        together = generation.Batch(ids, mask, batch.context_width)
-        sequences = generation.complete(self.model, stacked, together, self.tokenizer, **self.greedy)
-        del stacked
-        spent = (time.perf_counter() - began) / len(forks)
-        width, question, rows = ids.shape[1], ids.shape[1] - batch.context_width, batch.input_ids.shape[0]
-        own = [sequences[c * rows : (c + 1) * rows] for c in range(len(forks))]
-        for i, fork, sequence in zip(cells, forks, own, strict=False):
-            cut = sequence[:, : width + generation.steps(self.model, sequence, width)]
-            fork.peak_entries = fork.grown_peak(question + cut.shape[1] - width - 1)
-            self._keep(i, batch, cut, fork, seconds[i] + spent, units)
-            seconds[i] = 0.0
-        return own, spent
-
-    def prompts(self, members: list[int], protocol: str, generation: Any) -> None:
-        """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
-        ``prefill`` with several cells the prompt pass (and the first new token, which depends on it alone) is
-        shared."""
-        import torch
-
-        from h2o_eval.groups import SharedPrompt
-
-        units = [(p, k) for p in self.items for k in range(len(p.question_ids))]
-        size = self.config["batch_size"]
-        for start in range(0, len(units), size):
-            chunk = units[start : start + size]
-            self.answered = {}
-            batch = generation.make_batch(
-                [p.context_ids for p, _ in chunk], [p.question_ids[k] for p, k in chunk], self.tokenizer.pad_token_id,
-                self.device, split=False,
-            )  # fmt: skip
-            if len(members) == 1 or protocol == "simulate":
-                for i in members:
-                    cache = self._caches([i], protocol)[i]
-                    self._answer(i, cache, batch, 0.0, chunk)
-                self.progress.update(len(chunk))
-                continue
-            caches = self._caches(members, protocol)
-            began = time.perf_counter()
-            shared = SharedPrompt(list(caches.values()))
-            first = generation.decode(
-                self.model, shared, batch.input_ids, batch.attention_mask, **self.greedy | {"max_new_tokens": 1}
-            )
-            del shared
-            share = (time.perf_counter() - began) / len(members)
-            extended = generation.Batch(
-                first,
-                torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(chunk), 1)], dim=-1),
-                generated=1,
-            )
-            for i in members:
-                cache = caches.pop(i)
-                began = time.perf_counter()
-                sequences = generation.complete(
-                    self.model, cache, extended, self.tokenizer, self.answered, **self.greedy
-                )
-                self._keep(i, batch, sequences, cache, share + time.perf_counter() - began, chunk)
-            self.progress.update(len(chunk))
 
 
 RUNNER = LongContextRunner()

@@ -1,0 +1,305 @@
+"""Answering documents' questions for several cells at once: a context fed once for every cell's cache, each cache
+compressed by its own policy, a copy of it per question, and the decoding, alone or stacked.
+
+A :class:`Document` is a context and its questions as token ids. :func:`answer` answers every question of every
+document for every :class:`Cell` (a policy under a protocol) and returns, per cell, the generated fields of each
+question and the cell's :class:`~h2o_eval.generation.log.GenerationLog`:
+
+- under ``protocol=context`` the contexts of a batch are fed once (through a
+  :class:`~h2o_eval.groups.SharedPrompt` of every cell's cache when there are several) and compressed before any
+  question exists; a policy that scores by extra passes runs them first, once for the cells that differ only in
+  budget; each question is then answered from its own copy of each cell's compressed cache
+  (:meth:`~h2o_eval.cache.EvictionCache.fork`), so that no question sees another's tokens or answer, or, with
+  ``stack``, from the copies of every cell stacked into one batch (:meth:`~h2o_eval.cache.EvictionCache.stack`);
+- under ``prefill`` and ``simulate`` each question is a prompt of its own (context + question); under ``prefill``
+  with several cells the prompt pass, and the first new token, which depends on it alone, are shared.
+
+A cell's time counts its share of a shared pass (and of a stacked decode).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from h2o_eval.cache import EvictionCache
+from h2o_eval.generation.batches import Batch, end_tokens, greedy, make_batch, new_tokens, steps
+from h2o_eval.generation.completion import complete
+from h2o_eval.generation.log import GenerationLog, Progress
+from h2o_eval.generation.passes import answer_key, decode, feed, settle
+from h2o_eval.groups import SharedPrompt
+from h2o_eval.policies import Policy
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One evaluation among those answered together: a policy under a protocol."""
+
+    policy: Policy
+    protocol: str
+
+
+@dataclass(frozen=True)
+class Document:
+    """A context and its questions, as token ids; question ``k`` follows the context as its prompt's end."""
+
+    context: list[int]
+    questions: list[list[int]]
+
+
+@dataclass
+class Answers:
+    """One cell's answers: ``rows``, per question (document index, question index, the generated fields of
+    :meth:`~h2o_eval.generation.log.GenerationLog.add`, its ``tokens`` among them), and the cell's ``log``."""
+
+    log: GenerationLog
+    rows: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the cells answer: greedy tokens up to ``max_new_tokens``, ``batch_size`` documents (or prompts) at a time,
+    the caches' ``kernels``, ``decoding`` rule and ``graphs``, and whether copies are decoded stacked."""
+
+    max_new_tokens: int
+    batch_size: int
+    kernels: str = "auto"
+    decoding: str = "evict"
+    graphs: bool = True
+    stack: bool = False
+
+
+def answer(
+    model: Any,
+    tokenizer: Any,
+    cells: Sequence[Cell],
+    documents: Sequence[Document],
+    settings: Settings,
+    label: str = "answering",
+) -> list[Answers]:
+    """Every question of every document, answered greedily by every cell (see the module); returns each cell's
+    :class:`Answers`, questions in document order."""
+    run = _Answering(model, tokenizer, cells, documents, settings)
+    protocols = sorted({cell.protocol for cell in cells})
+    questions = sum(len(document.questions) for document in documents)
+    run.progress = Progress(questions * len(protocols), label, "question")
+    for protocol in protocols:
+        members = [i for i, cell in enumerate(cells) if cell.protocol == protocol]
+        if protocol == "context":
+            run.contexts(members)
+        else:
+            run.prompts(members, protocol)
+    run.progress.close()
+    for answers in run.answers:
+        answers.rows.sort(key=lambda row: row[:2])
+    return run.answers
+
+
+class _Answering:
+    """The state of one :func:`answer`: each cell's answers so far, and how batches are answered."""
+
+    def __init__(self, model, tokenizer, cells: Sequence[Cell], documents: Sequence[Document], settings: Settings):
+        self.model, self.tokenizer, self.cells, self.documents = model, tokenizer, cells, documents
+        self.settings = settings
+        self.greedy = greedy(settings.max_new_tokens, tokenizer.pad_token_id)
+        self.ends = end_tokens(tokenizer)
+        self.answers = [Answers(GenerationLog(max_new_tokens=settings.max_new_tokens)) for _ in cells]
+        self.device = next(model.parameters()).device
+        self.progress: Any = None
+        # The full cache's answers the oracle's passes need, per prompt of the current batch: its cells at several
+        # budgets generate each once.
+        self.answered: dict[Any, list[list[int]]] = {}
+
+    def _caches(self, members: list[int], protocol: str) -> dict[int, EvictionCache]:
+        settings = self.settings
+        return {
+            i: EvictionCache(
+                self.model,
+                self.cells[i].policy,
+                protocol=protocol,
+                kernels=settings.kernels,
+                decoding=settings.decoding,
+                graphs=settings.graphs,
+            )  # fmt: skip
+            for i in members
+        }
+
+    def _answer(self, i: int, cache: EvictionCache, batch: Batch, seconds: float, units: list[tuple[int, int]]):
+        """Decode one batch of questions through cell ``i``'s ``cache`` and keep its outputs; ``seconds`` already
+        spent on it (a share of a shared pass) count in its decoding time."""
+        began = time.perf_counter()
+        sequences = complete(self.model, cache, batch, self.tokenizer, self.answered, **self.greedy)
+        self._keep(i, batch, sequences, cache, seconds + time.perf_counter() - began, units)
+
+    def _keep(self, i: int, batch: Batch, sequences, cache, seconds: float, units: list[tuple[int, int]]) -> None:
+        """Log cell ``i``'s finished batch (its ``cache``, the ``seconds`` it cost) and keep a row per question."""
+        answers = self.answers[i]
+        generated = answers.log.add(batch, sequences, cache, seconds, self.ends)
+        answers.rows += [(d, k, g) for (d, k), g in zip(units, generated, strict=True)]
+
+    def _settle(self, caches: dict[int, EvictionCache], ids, mask) -> dict[int, float]:
+        """Compress the cells' deferred contexts after their policies' extra passes (not the oracle's, whose passes
+        differ per question): one run of the passes for the cells whose policies differ only in budget
+        (:meth:`~h2o_eval.policies.Policy.rehearsal_identity`), the others taking its scores. Returns each cell's
+        share of the time."""
+        spent = dict.fromkeys(caches, 0.0)
+        together: dict[str, list[int]] = {}
+        for i, cache in caches.items():
+            if cache.deferred and not cache.policy.needs_answer:
+                together.setdefault(cache.policy.rehearsal_identity(), []).append(i)
+        for first, *rest in together.values():
+            began = time.perf_counter()
+            settle(
+                self.model, caches[first], self.tokenizer, ids, mask, [[]] * ids.shape[0],
+                siblings=[caches[j] for j in rest], **self.greedy,
+            )  # fmt: skip
+            share = (time.perf_counter() - began) / (1 + len(rest))
+            for j in (first, *rest):
+                spent[j] = share
+        return spent
+
+    def contexts(self, members: list[int]) -> None:
+        """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and
+        compressed; then each question, a group of rows whose questions have one length at a time, is answered
+        from a copy of each cell's compressed cache (the cache itself for the last group when it takes every
+        row; with ``stack``, the copies of every cell stacked: :meth:`_answer_together`). A policy that scores by
+        extra passes runs them before its compression (:func:`~h2o_eval.generation.passes.settle`), once for the
+        cells that differ only in budget; one whose passes need the question and answer (the oracle) compresses
+        each question's copy for that question."""
+        size = self.settings.batch_size
+        for start in range(0, len(self.documents), size):
+            indices = list(range(start, min(start + size, len(self.documents))))
+            items = [self.documents[d] for d in indices]
+            self.answered = {}
+            contexts = make_batch(
+                [item.context for item in items], [[] for _ in items], self.tokenizer.pad_token_id, self.device,
+                split=False,
+            )  # fmt: skip
+            caches = self._caches(members, "context")
+            began = time.perf_counter()
+            feeder = caches[members[0]] if len(members) == 1 else SharedPrompt(list(caches.values()))
+            feed(self.model, feeder, contexts.input_ids, contexts.attention_mask)
+            del feeder  # a SharedPrompt holds every cache's layers: each is freed once its cell has answered
+            share = (time.perf_counter() - began) / len(members)
+            groups = [
+                (k, [r for r, item in enumerate(items) if len(item.questions) > k and len(item.questions[k]) == n])
+                for k in range(max(len(item.questions) for item in items))
+                for n in sorted({len(item.questions[k]) for item in items if len(item.questions) > k})
+            ]
+            ids, mask = contexts.input_ids, contexts.attention_mask
+            settled = self._settle(caches, ids, mask)
+            batches = []
+            for k, rows in groups:
+                questions = torch.tensor([items[r].questions[k] for r in rows], device=self.device)
+                kept = mask[rows]
+                batch = Batch(
+                    torch.cat([ids[rows], questions], dim=1),
+                    torch.cat([kept, kept.new_ones(questions.shape)], dim=1),
+                    contexts.input_ids.shape[1],
+                )
+                batches.append((rows, batch, [(indices[r], k) for r in rows]))
+            if self.settings.stack and len(members) > 1:
+                self._answer_together({i: caches.pop(i) for i in members}, batches, share, settled)
+            for i in [i for i in members if i in caches]:
+                cache, seconds = caches.pop(i), share + settled[i]
+                for position, (rows, batch, units) in enumerate(batches):
+                    last = position == len(batches) - 1 and len(rows) == len(items)
+                    self._answer(i, cache if last else cache.fork(rows), batch, seconds, units)
+                    seconds = 0.0
+            self.progress.update(sum(len(item.questions) for item in items))
+
+    def _answer_together(self, caches: dict[int, EvictionCache], batches: list, share: float, settled: dict) -> None:
+        """``stack``: each group of questions is answered by every cell in ``caches`` (compressed, under
+        ``decoding=grow``) in one batch, their copies stacked (:meth:`~h2o_eval.cache.EvictionCache.stack`); each
+        cell then keeps its rows, as long as its own generation would have run, and the peak its cache would
+        have reached. The oracle's cells, whose copies are compressed for the question and the full cache's
+        answer, answer in a second batch: that answer comes from a full copy of their context
+        (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first. A batch's decoding time is
+        shared equally among its cells (the full copy's share among the oracle's)."""
+        plain = [i for i in caches if not caches[i].policy.needs_answer]
+        asking = [i for i in caches if caches[i].policy.needs_answer]
+        seconds = {i: share + settled[i] for i in caches}
+        for rows, batch, units in batches:
+            full = [caches[asking[0]].fork(rows).full_copy()] if asking else []
+            forks = [caches[i].fork(rows) for i in plain] + full
+            sequences, spent = self._decode_stacked(forks, plain, batch, units, seconds)
+            if not asking:
+                continue
+            width = batch.context_width
+            key = answer_key(batch.input_ids, batch.attention_mask, **self.greedy)
+            self.answered[key] = new_tokens(sequences[-1], batch.input_ids.shape[1], self.ends)
+            questions = batch.input_ids[:, width:].tolist()
+            compressed = []
+            for i in asking:  # one uncompressed copy of the context at a time
+                began = time.perf_counter()
+                fork = caches[i].fork(rows)
+                settle(
+                    self.model, fork, self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
+                    questions, answered=self.answered, **self.greedy,
+                )  # fmt: skip
+                compressed.append(fork)
+                seconds[i] += spent / len(asking) + time.perf_counter() - began
+            self._decode_stacked(compressed, asking, batch, units, seconds)
+
+    def _decode_stacked(self, forks: list, cells: list[int], batch: Batch, units: list, seconds: dict) -> tuple:
+        """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies: each of those
+        keeps its rows, cut to the steps its own generation would have run, and the peak its cache would have
+        reached. Returns every fork's sequences and the decoding time per fork."""
+        began = time.perf_counter()
+        stacked = EvictionCache.stack(forks)
+        ids, mask = batch.input_ids.repeat(len(forks), 1), batch.attention_mask.repeat(len(forks), 1)
+        together = Batch(ids, mask, batch.context_width)
+        sequences = complete(self.model, stacked, together, self.tokenizer, **self.greedy)
+        del stacked
+        spent = (time.perf_counter() - began) / len(forks)
+        width, question, rows = ids.shape[1], ids.shape[1] - batch.context_width, batch.input_ids.shape[0]
+        own = [sequences[c * rows : (c + 1) * rows] for c in range(len(forks))]
+        for i, fork, sequence in zip(cells, forks, own, strict=False):
+            cut = sequence[:, : width + steps(self.model, sequence, width)]
+            fork.peak_entries = fork.grown_peak(question + cut.shape[1] - width - 1)
+            self._keep(i, batch, cut, fork, seconds[i] + spent, units)
+            seconds[i] = 0.0
+        return own, spent
+
+    def prompts(self, members: list[int], protocol: str) -> None:
+        """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
+        ``prefill`` with several cells the prompt pass (and the first new token, which depends on it alone) is
+        shared."""
+        units = [(d, k) for d, document in enumerate(self.documents) for k in range(len(document.questions))]
+        size = self.settings.batch_size
+        for start in range(0, len(units), size):
+            chunk = units[start : start + size]
+            self.answered = {}
+            batch = make_batch(
+                [self.documents[d].context for d, _ in chunk], [self.documents[d].questions[k] for d, k in chunk],
+                self.tokenizer.pad_token_id, self.device, split=False,
+            )  # fmt: skip
+            if len(members) == 1 or protocol == "simulate":
+                for i in members:
+                    cache = self._caches([i], protocol)[i]
+                    self._answer(i, cache, batch, 0.0, chunk)
+                self.progress.update(len(chunk))
+                continue
+            caches = self._caches(members, protocol)
+            began = time.perf_counter()
+            shared = SharedPrompt(list(caches.values()))
+            first = decode(
+                self.model, shared, batch.input_ids, batch.attention_mask, **self.greedy | {"max_new_tokens": 1}
+            )
+            del shared
+            share = (time.perf_counter() - began) / len(members)
+            extended = Batch(
+                first,
+                torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(chunk), 1)], dim=-1),
+                generated=1,
+            )
+            for i in members:
+                cache = caches.pop(i)
+                began = time.perf_counter()
+                sequences = complete(self.model, cache, extended, self.tokenizer, self.answered, **self.greedy)
+                self._keep(i, batch, sequences, cache, share + time.perf_counter() - began, chunk)
+            self.progress.update(len(chunk))

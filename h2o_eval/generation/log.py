@@ -1,0 +1,109 @@
+"""What a run's generation cost and held, and its progress on the terminal."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from h2o_eval.cache import EvictionCache
+from h2o_eval.capacity import CapacityLog
+from h2o_eval.generation.batches import Batch, new_tokens
+
+
+class Progress:
+    """A progress bar over a run's units (documents, questions) that also says once, after the first batch, about
+    how long the rest will take (a line in a log, where the bar's own estimate is overwritten)."""
+
+    def __init__(self, total: int, description: str, unit: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc=description, unit=unit)
+        self.total, self.description, self.unit = total, description, unit
+        self.began = time.perf_counter()
+        self.told = False
+
+    def update(self, count: int) -> None:
+        self.bar.update(count)
+        done = self.bar.n
+        if not self.told and 0 < done < self.total:
+            elapsed = time.perf_counter() - self.began
+            left = elapsed / done * (self.total - done)
+            self.bar.write(
+                f"{self.description}: ~{max(left / 60, 1):.0f} min left ({done} of {self.total} {self.unit}s in "
+                f"{elapsed:.0f} s)",
+                file=sys.stderr,
+            )
+            self.told = True
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class GenerationLog:
+    """What a run's generation cost and held, batch by batch; ``fields()`` is the record's ``generation`` and
+    ``capacity`` (:class:`~h2o_eval.capacity.CapacityLog`), the same keys for every runner."""
+
+    max_new_tokens: int
+    capacity: CapacityLog = field(default_factory=CapacityLog)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+    peak_entries: int = 0
+    full_entries: int = 0
+    entry_bytes: int = 0
+
+    def add(
+        self, batch: Batch, sequences: torch.Tensor, cache: EvictionCache, seconds: float, ends: set[int]
+    ) -> list[dict[str, Any]]:
+        """Log one finished batch; returns per row its generated ``tokens`` and the fields every output row holds:
+        ``prompt_tokens``, ``generated_tokens``, ``capacity`` (C, mean over layers and KV heads), ``budget_tokens``
+        (the length the budget applied to) and ``kv_entries`` (KV entries kept, summed over layers and heads)."""
+        generated = new_tokens(sequences, batch.input_ids.shape[1], ends)
+        capacities = self.capacity.add(cache)
+        entries = self.capacity.entries[-len(generated) :]
+        prompts = batch.prompt_tokens
+        self.rows += len(generated)
+        self.prompt_tokens += sum(prompts)
+        self.generated_tokens += sum(len(tokens) for tokens in generated)
+        self.seconds += seconds
+        self.peak_entries = max(self.peak_entries, cache.peak_entries)
+        # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
+        self.full_entries = max(self.full_entries, max(prompts) + sequences.shape[1] - batch.input_ids.shape[1] - 1)
+        self.entry_bytes = cache.entry_bytes() * cache.num_layers * cache.kv_heads
+        return [
+            {
+                "tokens": tokens,
+                "prompt_tokens": prompt,
+                "generated_tokens": len(tokens),
+                "capacity": round(capacity, 2),
+                "budget_tokens": budget,
+                "kv_entries": round(kept),
+            }
+            for tokens, prompt, capacity, budget, kept in zip(
+                generated, prompts, capacities, cache.lengths, entries, strict=True
+            )
+        ]
+
+    def fields(self) -> dict[str, Any]:
+        """The record's ``generation`` (token means, tokens/s, KV peak and full-cache entries per KV head and the
+        bytes they take over all layers and heads) and ``capacity``."""
+        n = max(self.rows, 1)
+        return {
+            "generation": {
+                "max_new_tokens": self.max_new_tokens,
+                "prompt_tokens_mean": self.prompt_tokens / n,
+                "generated_tokens_mean": self.generated_tokens / n,
+                "generated_tokens_per_s": self.generated_tokens / self.seconds if self.seconds else 0.0,
+                "kv_peak_entries": self.peak_entries,
+                "kv_peak_bytes": self.peak_entries * self.entry_bytes,
+                "kv_full_entries": self.full_entries,
+                "kv_full_bytes": self.full_entries * self.entry_bytes,
+            },
+            "capacity": self.capacity.stats(),
+        }

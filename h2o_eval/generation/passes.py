@@ -1,0 +1,133 @@
+"""Feeding a cache and running a policy's extra passes: a prompt fed as one chunk, ``generate`` through a cache,
+and the passes (KVzip's repeat, the oracle's question and full-cache answer) that score a deferred prompt before it
+is compressed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from h2o_eval.cache import EvictionCache
+from h2o_eval.generation.batches import end_tokens, new_tokens
+from h2o_eval.groups import SharedPrompt
+from h2o_eval.policies import Full
+from h2o_eval.policies.inputs import Script
+
+
+def feed(model: Any, cache: EvictionCache | SharedPrompt, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """Feed left-padded token columns through ``cache`` as one chunk (an empty cache prefills and compresses them);
+    their logits are never read."""
+    with torch.no_grad():
+        model(
+            input_ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
+            logits_to_keep=1,
+            cache=cache,
+        )
+
+
+def decode(model: Any, cache: EvictionCache, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any):
+    """``model.generate`` through ``cache`` (already fed whatever precedes ``input_ids``' unseen columns)."""
+    with torch.no_grad():
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+
+
+def answers(model: Any, ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, **kwargs: Any) -> list[list[int]]:
+    """The full cache's answers to left-padded prompts (each row's generated tokens, :func:`new_tokens`)."""
+    full = EvictionCache(model, Full(), protocol="prefill")
+    sequences = decode(model, full, ids, mask, tokenizer=tokenizer, **kwargs)
+    return new_tokens(sequences, ids.shape[1], end_tokens(tokenizer))
+
+
+def settle(
+    model: Any,
+    cache: EvictionCache,
+    tokenizer: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    questions: list[list[int]],
+    siblings: Sequence[EvictionCache] = (),
+    answered: dict[Any, list[list[int]]] | None = None,
+    **kwargs: Any,
+) -> None:
+    """After a cache's first chunk (``ids``/``mask``, left-padded): a policy that scores its prompt by extra passes
+    (:meth:`~h2o_eval.policies.Policy.passes`) runs them now, each fed through the cache (positions after each
+    row's chunk, shorter passes padded at their end) and dropped again, and the prompt is then compressed.
+    Nothing to do for any other policy (it compressed its prompt as it came). ``questions``: per row the tokens
+    that follow the chunk (protocol=context), or none. A policy whose passes need the full cache's answer (the
+    oracle) has it generated first, greedily like the evaluation (``kwargs``): under ``protocol=context`` from a
+    copy of the cache, which still holds the whole context (:meth:`~h2o_eval.cache.EvictionCache.full_copy`), so
+    the answer is exactly the full cache's in the same evaluation; under ``prefill`` by a full cache fed the
+    prompt. It is generated once per prompt and settings when the caller keeps the answers in ``answered`` (one
+    dict for the oracle's cells at several budgets: the same prompts, the same answers). ``siblings``: caches
+    holding the same chunk under the same policy at other budgets; they take the passes' scores
+    (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`) instead of running them, and are compressed too."""
+    if not cache.deferred:
+        return
+    rows = [ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0])]
+    answer = None
+    if cache.policy.needs_answer:
+        asked = torch.tensor(questions, dtype=ids.dtype, device=ids.device).view(ids.shape[0], -1)
+        prompt = torch.cat([ids, asked], 1)
+        prompt_mask = torch.cat([mask, torch.ones_like(asked, dtype=mask.dtype)], 1)
+        key = answer_key(prompt, prompt_mask, **kwargs)
+        answer = None if answered is None else answered.get(key)
+        if answer is None and cache.protocol == "context":  # the full cache's state after this context: a copy
+            full = decode(model, cache.full_copy(), prompt, prompt_mask, tokenizer=tokenizer, **kwargs)
+            answer = new_tokens(full, prompt.shape[1], end_tokens(tokenizer))
+        elif answer is None:
+            answer = answers(model, prompt, prompt_mask, tokenizer, **kwargs)
+        if answered is not None:
+            answered[key] = answer
+    script = Script(rows, [list(q) for q in questions], answer, tokenizer)
+    pad = tokenizer.pad_token_id
+    for index, tokens in enumerate(cache.policy.passes(script)):
+        width = max(len(t) for t in tokens)
+        if width == 0:
+            continue
+        extra = torch.tensor([t + [pad] * (width - len(t)) for t in tokens], device=ids.device)
+        extra_mask = torch.tensor([[1] * len(t) + [0] * (width - len(t)) for t in tokens], device=ids.device)
+        positions = mask.sum(-1, keepdim=True) + torch.arange(width, device=ids.device)
+        with torch.no_grad(), cache.rehearsal(index, script):
+            model(
+                extra,
+                attention_mask=torch.cat([mask, extra_mask.to(mask.dtype)], 1),
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                cache=cache,
+            )
+    for sibling in siblings:
+        sibling.adopt_rehearsal(cache)
+        sibling.compress_prompt()
+    cache.compress_prompt()
+
+
+def compress(
+    model: Any,
+    cache: EvictionCache,
+    tokenizer: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    questions: list[list[int]] | None = None,
+    **generate_kwargs: Any,
+) -> None:
+    """Compress the prompt ``cache`` was fed (``input_ids``, left-padded as ``attention_mask`` says) by its policy's
+    extra passes: KVzip's repeat of the context, the oracle's question and full-cache answer. They run through
+    ``model`` now, their own keys and values are dropped, and each KV head keeps its C. Any other policy compressed
+    its prompt as it came: nothing happens. ``questions``: per sequence the question's token ids (the oracle's
+    passes need them; under ``protocol="context"`` they come after the compressed context); ``generate_kwargs``:
+    how the full-cache answer is generated (greedy by default)."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    asked = [[] for _ in range(input_ids.shape[0])] if questions is None else questions
+    settle(model, cache, tokenizer, input_ids, mask, asked, **({"do_sample": False} | generate_kwargs))
+
+
+def answer_key(prompt: torch.Tensor, mask: torch.Tensor, **kwargs: Any) -> tuple:
+    """What identifies the full cache's answers to a batch of prompts (``prompt``/``mask``, the context and the
+    question) generated with the settings ``kwargs``, in :func:`settle`'s ``answered``."""
+    return tuple(prompt.shape), prompt.cpu().numpy().tobytes(), mask.cpu().numpy().tobytes(), repr(kwargs)
