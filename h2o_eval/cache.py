@@ -26,11 +26,12 @@ import torch
 from transformers.cache_utils import Cache
 
 from h2o_eval.attention import check_supported, install, kv_head_count, layer_windows, rotary_function
+from h2o_eval.context import LayerContext, Sequences, plan_tensors
 from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import DecodeGraphs
 from h2o_eval.graphs import install as install_graphs
 from h2o_eval.implementation import choose
-from h2o_eval.layer import EvictionLayer, LayerContext, Sequences, plan_tensors
+from h2o_eval.layer import EvictionLayer
 from h2o_eval.policies import Full, Policy, Rule, check_decoding, check_protocol
 from h2o_eval.policies.inputs import Script
 

@@ -24,157 +24,27 @@ from the buffers, so it can be captured as a CUDA graph and replayed (:mod:`h2o_
 must refuse (a padding token after the prompt, an inconsistent plan) is noted on the device and raised when the
 cache is next read (:meth:`EvictionLayer.faults`).
 
-A layer reads what its cache fixed once in a frozen :class:`LayerContext` (policy, rule, implementation, window,
-protocol) and shares with the cache's other layers one :class:`Sequences` (the sequences' lengths and positions);
-it knows nothing else of its cache.
+A layer reads what its cache fixed once in a frozen :class:`~h2o_eval.context.LayerContext` (policy, rule,
+implementation, window, protocol) and shares with the cache's other layers one :class:`~h2o_eval.context.Sequences`
+(the sequences' lengths and positions); it knows nothing else of its cache.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_eval.attention import check_kv_heads, check_window, key_validity, plain_attention
 from h2o_eval.compression import compress
+from h2o_eval.context import LayerContext, Sequences, plan_tensors, starting_scores
 from h2o_eval.decode import Slots, append, attend, bounded, bucket, claim, widened
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import Chunk
-from h2o_eval.implementation import Implementation
-from h2o_eval.policies import UNBOUNDED, Policy, Rule
+from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
-from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
+from h2o_eval.policies.inputs import Prompt, Rehearsal
 
 AHEAD = 64  # decode positions whose position scores are made at once (Policy.position_scores)
-
-
-@dataclass(frozen=True)
-class LayerContext:
-    """What every layer of one cache reads and nothing changes: the policy and the rule it decodes under (with
-    ``decoding=grow``, one that keeps every token after the prompt), the implementation of the mechanism, the
-    protocol, and the model's shape.
-
-    ``length``: what a fraction budget applies to (an int, one per sequence, or None: the first chunk's real
-    length); ``prompt``: per sequence, the real tokens of its first chunk that are its prompt (None: the whole
-    chunk); ``one_forward``: the cache serves one whole-sequence forward (``patch``); ``window``: the sliding window
-    that bounds every layer of a model whose layers all slide (None otherwise); ``rotary(layer, positions)``: the
-    model's rotary embedding (None without)."""
-
-    policy: Policy
-    rule: Rule
-    implementation: Implementation
-    protocol: str
-    num_layers: int
-    kv_heads: int
-    window: int | None = None
-    length: int | tuple[int, ...] | None = None
-    prompt: tuple[int, ...] | None = None
-    one_forward: bool = False
-    rotary: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-
-    def rows(self, rows: list[int]) -> LayerContext:
-        """This context for the sequences ``rows`` of its batch."""
-        length = self.length if self.length is None or isinstance(self.length, int) else self.length
-        if isinstance(length, tuple):
-            length = tuple(length[r] for r in rows)
-        prompt = None if self.prompt is None else tuple(self.prompt[r] for r in rows)
-        return dataclasses.replace(self, length=length, prompt=prompt)
-
-
-class Sequences:
-    """What the layers of one cache share about its sequences: the lengths budgets apply to (fixed on the first
-    chunk), the columns fed, the longest real length, and ``last`` [B, 1, 1], the position of each sequence's last
-    real token (on the device). The first layer a forward reaches advances them (:meth:`begin`); the other layers
-    read them. Also whether the prompt waits for its extra passes (``deferred``) and the extra pass being fed."""
-
-    def __init__(self, deferred: bool = False) -> None:
-        self.lengths: list[int] | None = None
-        self.columns = 0
-        self.longest = 0
-        self.last: torch.Tensor | None = None
-        self.starts: torch.Tensor | None = None  # [B, 1, 1] the last position before the current chunk
-        self.deferred = deferred
-        self.rehearsing: int | None = None
-        self.script: Script | None = None
-        self.real: torch.Tensor | None = None  # [B] bool: every decode token so far was real (no padding)
-        self._limits: dict[int, torch.Tensor] = {}
-        self._plans: dict[tuple, torch.Tensor] = {}
-
-    def begin(self, arriving: torch.Tensor, decode: bool) -> None:
-        """A forward's first layer: ``arriving`` [B, n] of its tokens are real. A decode token moves each position
-        one on without reading anything on the host; a chunk also counts its longest sequence."""
-        if self.last is None:
-            self.last = torch.full((arriving.shape[0], 1, 1), -1, dtype=torch.int64, device=arriving.device)
-        if decode:
-            self.last.add_(1)
-            if self.real is None:
-                self.real = arriving[:, -1].clone()
-            else:
-                self.real.logical_and_(arriving[:, -1])
-            self.advance()
-            return
-        self._limits = {}
-        self.columns += arriving.shape[1]
-        self.starts = self.last
-        self.last = self.last + arriving.sum(-1).view(-1, 1, 1)
-        self.longest = int(self.last.max()) + 1
-
-    def advance(self) -> None:
-        """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
-        self._limits = {}
-        self.columns += 1
-        self.longest += 1
-
-    def positions(self, arriving: torch.Tensor) -> torch.Tensor:
-        """[B, n] each arriving column's position in its sequence (a padding column takes its neighbour's)."""
-        return (self.starts.view(-1, 1) + arriving.cumsum(-1)).clamp(min=0)
-
-    def limit(self, recent: torch.Tensor) -> torch.Tensor:
-        """[B, 1, 1] the newest position a decode token may evict under the window ``recent`` [B]: computed once per
-        step for all the layers that share that window."""
-        if id(recent) not in self._limits:
-            self._limits[id(recent)] = self.last - recent.view(-1, 1, 1)
-        return self._limits[id(recent)]
-
-    def shared(self, values: tuple, device: Any) -> torch.Tensor:
-        """One tensor of ``values`` for every layer that asks for the same (their plans' windows and sinks), so
-        that per-step quantities made from it are computed once (:meth:`limit`)."""
-        key = (values, str(device))
-        if key not in self._plans:
-            self._plans[key] = torch.tensor(values, dtype=torch.int64, device=device)
-        return self._plans[key]
-
-    def rows(self, rows: list[int]) -> Sequences:
-        """A copy for the sequences ``rows``."""
-        copy = Sequences(self.deferred)
-        copy.lengths = None if self.lengths is None else [self.lengths[r] for r in rows]
-        copy.columns, copy.longest = self.columns, self.longest
-        index = None if self.last is None else torch.tensor(rows, device=self.last.device)
-        copy.last = None if self.last is None else self.last[index]
-        copy.real = None if self.real is None else self.real[index]
-        return copy
-
-
-def starting_scores(policy: Policy, key: torch.Tensor, position: torch.Tensor, layer: int) -> torch.Tensor:
-    """Arriving tokens' scores [B, Hkv, n]: the policy's ``key_scores``, or 0."""
-    scores = policy.key_scores(key, position, layer)
-    return torch.zeros(position.shape, dtype=torch.float32, device=position.device) if scores is None else scores
-
-
-def plan_tensors(policy: Policy, lengths: list[int], layer: int, context: LayerContext, shared: Sequences, device):
-    """One layer's plan for sequences whose budgets apply to ``lengths``: capacity [B, Hkv], recent and sinks [B]
-    (tensors shared by the layers whose values are equal)."""
-    plans = [policy.plan(max(length, 1), layer, context.num_layers) for length in lengths]
-    capacity = torch.tensor([p.capacity for p in plans], dtype=torch.int64, device=device)
-    return {
-        "capacity": capacity.view(-1, 1).expand(-1, context.kv_heads).contiguous(),
-        "recent": shared.shared(tuple(p.recent for p in plans), device),
-        "sinks": shared.shared(tuple(p.sinks for p in plans), device),
-    }
 
 
 class EvictionLayer(CacheLayerMixin):
