@@ -14,7 +14,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from h2o_eval.callbacks import plain_config
+from h2o_eval.composed import plain_config
 from h2o_eval.errors import ConfigError
 from h2o_eval.names import unknown_names
 from h2o_eval.run import execute, fail, record_failure, validate

@@ -77,7 +77,7 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     from hydra import initialize_config_module
     from hydra.errors import HydraException
 
-    from h2o_eval.callbacks import plain_config
+    from h2o_eval.composed import plain_config
     from h2o_eval.names import unknown_names
     from h2o_eval.runners import check_task_keys
     from h2o_eval.threads import default_threads
@@ -148,12 +148,12 @@ def main(argv: list[str]) -> None:
     done = []
     for group in groups(todo):
         if len(group) == 1:
-            done.append(execute(group[0])[1])
+            done.append((group[0], execute(group[0])[1]))
         else:
             print(f"{len(group)} cells of {group[0].config['task']['name']} share their prompts")
-            done += compute(group)
+            done += zip(group, compute(group), strict=True)
     if done:
-        print("\n".join(["summary:", *(summary_line(record) for record in done)]))
+        print("\n".join(["summary:", *(summary_line(record, spec.departures) for spec, record in done)]))
     if refused:
         sys.exit(1)
 
