@@ -39,14 +39,16 @@ def _is_int(value: Any) -> bool:
 @dataclass(frozen=True)
 class Spec:
     """A validated run, built once: its config with the defaults resolved, its task's runner, its built policy, its
-    identity (the settings, the policy as built and the data's hash: :func:`h2o_eval.results.identity`) and the
-    path of its record."""
+    identity (the settings, the policy as built and the data's hash: :func:`h2o_eval.results.identity`), the
+    path of its record, and its settings that depart from the defaults (:func:`h2o_eval.settings.departures`), which
+    its summary line names."""
 
     config: dict[str, Any]
     runner: Runner
     policy: Policy
     identity: dict[str, Any]
     path: Path
+    departures: dict[str, Any]
 
 
 def validate(config: dict[str, Any]) -> Spec:
@@ -106,7 +108,8 @@ def validate(config: dict[str, Any]) -> Spec:
     runner.check(resolved)
     _check_writable(Path(config["results_dir"]))
     ident = results.identity(resolved, policy)
-    return Spec(resolved, runner, policy, ident, results.record_path(resolved["results_dir"], resolved, ident))
+    path = results.record_path(resolved["results_dir"], resolved, ident)
+    return Spec(resolved, runner, policy, ident, path, settings.departures(resolved, ident["built_policy"]))
 
 
 def _check_writable(results_dir: Path) -> None:
@@ -156,7 +159,7 @@ def execute(
     with results.exclusive(path):
         if (record := existing(spec.config, path)) is not None:
             print(f"skipped: {results.stored(path)} exists (overwrite=true reruns it)")
-            print(summary_line(record))
+            print(summary_line(record, spec.departures))
             return "skipped", record
         record = compute([spec], work_dir)[0]
     if given is not None:
@@ -245,7 +248,7 @@ def finish(
         print(evaluation.table)
     tracking.log_run(config["wandb"], record, path.stem, work_dir or Path(config["results_dir"]))
     _warn_tiny_budget(record)
-    print(summary_line(record))  # last, below lm-eval's table
+    print(summary_line(record, spec.departures))  # last, below lm-eval's table
     print(f"record: {path}")
     return record
 
@@ -345,15 +348,14 @@ def record_failure(config: dict[str, Any], error: BaseException) -> Path:
     return path
 
 
-def summary_line(record: dict[str, Any]) -> str:
+def summary_line(record: dict[str, Any], found: dict[str, Any]) -> str:
     """One line naming the run's setting (with the prompt length, the questions per context, the decoding rule
-    and every departure from the defaults: :mod:`h2o_eval.settings`), its scores and its wall time."""
+    and every departure from the defaults, ``found``: :attr:`Spec.departures`), its scores and its wall time."""
     config = record["config"]
     scores = "  ".join(
         f"{name}={value:.4f}" for name, value in record["metrics"].items() if not name.endswith("_stderr")
     )
     kept = f" (kept {record['capacity']['kept_fraction_mean']:.0%})" if "capacity" in record else ""
-    found = settings.departures(config, record["policy_params"])
     params = [settings.label(key, value) for key, value in found.items() if key.startswith("policy.")]
     named = ("decoding", "task.questions")
     others = [

@@ -436,12 +436,13 @@ def test_a_record_names_the_commit_its_run_started_from(tmp_path, data_dir, comm
 
 
 def test_record_name_and_summary_line_name_length_questions_decoding_and_policy_parameters(tmp_path, data_dir):
-    config = validate(
+    spec = validate(
         make_config(
             data_dir, tmp_path, model="tiny-llama", task="niah_single_2", policy="snapkv", budget=0.5,
             protocol="context", decoding="grow", **{"policy.window": 8, "task.questions": 2, "task.length": 1024},
         )
-    ).config  # fmt: skip
+    )  # fmt: skip
+    config = spec.config
     name = results.record_path(tmp_path, config).name
     assert name.startswith("tiny-llama__niah_single_2-1024__snapkv+window=8__b0.5__context-grow__2q__0shot__")
     default = validate(
@@ -453,7 +454,7 @@ def test_record_name_and_summary_line_name_length_questions_decoding_and_policy_
         "task": "niah_single_2", "policy": "snapkv", "budget": 0.5, "protocol": "context", "num_fewshot": 0,
         "metrics": {"string_match_all": 0.5}, "n_samples": 4, "wall_seconds": 1.0,
     }  # fmt: skip
-    line = summary_line(record)
+    line = summary_line(record, spec.departures)
     assert "niah_single_2 (1024 tokens, 2 questions per context)" in line
     assert "snapkv window=8 budget=0.5 context decoding=grow 0-shot |" in line
 
