@@ -160,3 +160,16 @@ DOC_PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("**/*.md")), REPO 
 def test_every_relative_link_leads_to_a_file_and_heading_that_exist(path):
     dead = [target for target in _relative_links(path) if _leads_nowhere(path, target)]
     assert not dead, f"{path.relative_to(REPO)} links to missing files or headings: {dead}"
+
+
+def test_every_registered_policy_has_its_row_in_the_policies_table_and_its_config():
+    """Adding a policy is its file, its config, its tests and its row in docs/policies.md: the registry finds the
+    file, and this proves the row and the config are there (and that no row names a policy that is not)."""
+    from h2o_eval.policies import POLICIES
+
+    page = (REPO / "docs" / "policies.md").read_text()
+    table = page[page.index("## The policies") :].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| `([a-z0-9_]+)` \|", table, flags=re.MULTILINE)
+    assert sorted(rows) == sorted(POLICIES), "docs/policies.md's table and the policies in h2o_eval/policies/ differ"
+    configs = {path.stem for path in (REPO / "conf" / "policy").glob("*.yaml")}
+    assert configs == set(POLICIES), "conf/policy/ and the policies in h2o_eval/policies/ differ"

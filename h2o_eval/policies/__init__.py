@@ -1,18 +1,19 @@
 """Eviction policies: small declarative settings over one mechanism (see ``h2o_eval.eviction``).
 
 One file per policy: a frozen dataclass whose fields are its hyper-parameters, whose :class:`Rule` and
-:class:`Plan` the mechanism reads. Adding a policy is its file, one entry in :data:`POLICIES`, its
-``conf/policy/<name>.yaml`` and its tests.
+:class:`Plan` the mechanism reads. Adding a policy is its file (found here by its ``name``: :data:`POLICIES`), its
+``conf/policy/<name>.yaml``, its tests and its row in docs/policies.md (the tests check both).
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies.adakv import AdaKV
 from h2o_eval.policies.base import (
     DECODINGS,
     KERNELS,
@@ -26,45 +27,28 @@ from h2o_eval.policies.base import (
     check_kernels,
     check_protocol,
 )
-from h2o_eval.policies.criticalkv import CriticalKV
-from h2o_eval.policies.expected_attention import ExpectedAttention
 from h2o_eval.policies.full import Full
-from h2o_eval.policies.h2o import H2O, Heavy
-from h2o_eval.policies.h2o_reference import H2OReference
-from h2o_eval.policies.keydiff import KeyDiff
-from h2o_eval.policies.knorm import KNorm
-from h2o_eval.policies.kvzip import KVzip
-from h2o_eval.policies.local import Local
-from h2o_eval.policies.oracle import Oracle
-from h2o_eval.policies.pyramidkv import PyramidKV
-from h2o_eval.policies.random import Random
-from h2o_eval.policies.snapkv import SnapKV
-from h2o_eval.policies.streaming import Streaming
-from h2o_eval.policies.tova import TOVA
 from h2o_eval.policies.wrapper import Wrapper
 
-POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls
-    for cls in (
-        Full,
-        H2O,
-        Local,
-        Heavy,
-        Streaming,
-        TOVA,
-        Random,
-        H2OReference,
-        SnapKV,
-        PyramidKV,
-        AdaKV,
-        KNorm,
-        ExpectedAttention,
-        KeyDiff,
-        CriticalKV,
-        KVzip,
-        Oracle,
-    )  # fmt: skip
-}
+NOT_POLICIES = ("base", "inputs", "wrapper")  # the package's modules that define no policy
+
+
+def _discovered() -> dict[str, type[Policy]]:
+    """Every policy class this package defines, by name: each module's classes that name themselves (``name``), in
+    the order of the modules' names and, within one, of their definitions. A policy is registered by its file."""
+    found: dict[str, type[Policy]] = {}
+    for module in pkgutil.iter_modules(__path__):
+        if module.name in NOT_POLICIES:
+            continue
+        loaded = importlib.import_module(f"{__name__}.{module.name}")
+        for value in vars(loaded).values():
+            named = isinstance(value, type) and issubclass(value, Policy) and "name" in vars(value)
+            if named and value.__module__ == loaded.__name__:
+                found[value.name] = value
+    return found
+
+
+POLICIES: dict[str, type[Policy]] = _discovered()
 
 __all__ = [
     "DECODINGS",
