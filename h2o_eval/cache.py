@@ -340,7 +340,7 @@ class EvictionCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of the keys and values the cache has allocated now (a growing layer's spare slots included)."""
-        return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.layers if layer.is_initialized)
+        return sum(layer.kv_bytes() for layer in self.layers)
 
     def entry_bytes(self) -> int:
         """Bytes of one token's key and value in one KV head."""

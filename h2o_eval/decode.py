@@ -36,13 +36,17 @@ BUCKET = 64  # growing buffers take whole buckets of slots: at least one, and at
 class Slots:
     """A layer's state per slot. ``keys``, ``values``: [B, Hkv, S, D]; ``held``: [B, Hkv, S] bool; ``position``:
     [B, Hkv, S] int64, each slot's token index in its sequence; ``scores``: [B, Hkv, S] float32. A slot that is not
-    held is free: the next token may take it. Everything a decode step changes is one of these tensors, in place."""
+    held is free: the next token may take it. Everything a decode step changes is one of these tensors, in place.
+
+    ``entry``: None, or the ragged layout (:func:`ragged`): keys and values are rows [B, E, D] and ``entry`` [B, Hkv,
+    S] gives each slot's row, so that each KV head takes the rows of what it holds, not the fullest head's."""
 
     keys: torch.Tensor
     values: torch.Tensor
     held: torch.Tensor
     position: torch.Tensor
     scores: torch.Tensor
+    entry: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, key: torch.Tensor, value: torch.Tensor) -> Slots:
@@ -59,35 +63,49 @@ class Slots:
 
     @property
     def width(self) -> int:
-        return self.keys.shape[2]
+        return self.held.shape[-1]
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, field.name) for field in dataclasses.fields(self))
+        fields = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return tuple(tensor for tensor in fields if tensor is not None)
 
     def map(self, function: Callable[[torch.Tensor], torch.Tensor]) -> Slots:
-        """These slots with ``function`` applied to every tensor."""
-        return Slots(*(function(tensor) for tensor in self.tensors()))
+        """These slots (in the dense layout) with ``function`` applied to every tensor."""
+        return Slots(*(function(tensor) for tensor in self.dense().tensors()))
+
+    def dense(self) -> Slots:
+        """These slots with keys and values [B, Hkv, S, D]: as they are, or a ragged layout's gathered (a copy)."""
+        if self.entry is None:
+            return self
+        batch, kv_heads, width = self.held.shape
+        index = self.entry.view(batch, kv_heads * width, 1).expand(-1, -1, self.keys.shape[-1])
+        keys = self.keys.gather(1, index).view(batch, kv_heads, width, -1)
+        values = self.values.gather(1, index).view(batch, kv_heads, width, -1)
+        return Slots(keys, values, self.held, self.position, self.scores)
 
     def rows(self, rows: list[int]) -> Slots:
-        """A copy of the sequences ``rows``."""
+        """A copy of the sequences ``rows`` (in the dense layout)."""
         index = torch.tensor(rows, device=self.held.device)
         return self.map(lambda tensor: tensor[index])
 
     def held_first(self, size: int | None = None) -> Slots:
-        """These slots with the held ones first in each (sequence, KV head), in their order, cut to ``size``."""
-        order = torch.argsort((~self.held).to(torch.int8), dim=-1, stable=True)[..., :size]
-        index = order.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        """These slots (in the dense layout) with the held ones first in each (sequence, KV head), in their order,
+        cut to ``size``."""
+        slots = self.dense()
+        order = torch.argsort((~slots.held).to(torch.int8), dim=-1, stable=True)[..., :size]
+        index = order.unsqueeze(-1).expand(-1, -1, -1, slots.keys.shape[-1])
         return Slots(
-            self.keys.gather(2, index),
-            self.values.gather(2, index),
-            self.held.gather(-1, order),
-            self.position.gather(-1, order),
-            self.scores.gather(-1, order),
+            slots.keys.gather(2, index),
+            slots.values.gather(2, index),
+            slots.held.gather(-1, order),
+            slots.position.gather(-1, order),
+            slots.scores.gather(-1, order),
         )
 
 
 def widened(slots: Slots, size: int) -> Slots:
-    """``slots`` in new contiguous buffers of ``size`` slots (at least their width), the new slots free."""
+    """``slots`` in new contiguous buffers of ``size`` slots (at least their width), the new slots free (dense)."""
+    slots = slots.dense()
     if size == slots.width and all(tensor.is_contiguous() for tensor in slots.tensors()):
         return slots
     fill = (0, False, FREE, -torch.inf)
@@ -97,6 +115,27 @@ def widened(slots: Slots, size: int) -> Slots:
         buffer[:, :, : slots.width] = tensor
         grown.append(buffer)
     return Slots(*grown)
+
+
+def ragged(slots: Slots, room: int) -> Slots:
+    """The layout of a layer whose KV heads hold different numbers of tokens and no longer evict: in each sequence,
+    each head's held tokens then ``room`` free slots are contiguous rows of keys and values [B, E, D] (E: the
+    longest sequence's rows, and one spare row for the slots past a head's room, which are never held), and
+    ``entry`` gives each slot's row. The keys and values take the bytes of what the heads hold and their room, not
+    every head padded to the fullest one (Ada-KV's and KVzip's budgets differ per head)."""
+    slots = slots.held_first()
+    count = slots.held.sum(-1)  # [B, Hkv]
+    size = count + room
+    total, width = int(size.sum(-1).max()), int(size.max())
+    slots = widened(slots, max(width, slots.width)).map(lambda tensor: tensor[:, :, :width])
+    columns = torch.arange(width, device=count.device)
+    entry = torch.where(columns < size.unsqueeze(-1), (size.cumsum(-1) - size).unsqueeze(-1) + columns, total)
+    batch, kv_heads, _, dim = slots.keys.shape
+    index = entry.view(batch, kv_heads * width, 1).expand(-1, -1, dim)
+    rows = []
+    for tensor in (slots.keys, slots.values):
+        rows.append(tensor.new_zeros(batch, total + 1, dim).scatter_(1, index, tensor.reshape(batch, -1, dim)))
+    return Slots(*rows, slots.held, slots.position, slots.scores, entry)
 
 
 def bucket(size: int) -> int:
@@ -159,10 +198,23 @@ def append(slots: Slots, key: torch.Tensor, value: torch.Tensor, now: torch.Tens
     width.add_(1)
 
 
+def append_ragged(slots: Slots, key: torch.Tensor, value: torch.Tensor, now: torch.Tensor, count: torch.Tensor) -> None:
+    """:func:`append` into a ragged layout (:func:`ragged`): each KV head's token into its next slot, ``count``
+    [B, Hkv] (on the device, then advanced), whose row its room holds."""
+    at = count.unsqueeze(-1)
+    row = slots.entry.gather(-1, at).expand(-1, -1, key.shape[-1])
+    slots.keys.scatter_(1, row, key[:, :, 0])
+    slots.values.scatter_(1, row, value[:, :, 0])
+    slots.held.scatter_(-1, at, True)
+    slots.position.scatter_(-1, at, now.expand_as(at))
+    count.add_(1)
+
+
 def attend(query: torch.Tensor, slots: Slots, scaling: float) -> torch.Tensor:
     """One query per sequence [B, Hq, 1, D] over the held slots, through torch's fused attention (SDPA), for a rule
     that needs no attention scores: each KV head's G query heads are G query rows of that head, so nothing is
     repeated and the mask broadcasts over them. Returns [B, Hq, 1, D]."""
+    slots = slots.dense()
     batch, q_heads, _, dim = query.shape
     kv_heads = slots.keys.shape[1]
     grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim)

@@ -37,7 +37,7 @@ from transformers.cache_utils import CacheLayerMixin
 from h2o_eval.attention import check_kv_heads, check_window, key_validity, plain_attention
 from h2o_eval.compression import compress
 from h2o_eval.context import LayerContext, Sequences, plan_tensors, starting_scores
-from h2o_eval.decode import Slots, append, attend, bounded, bucket, claim, widened
+from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, ragged, widened
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import Chunk
 from h2o_eval.policies import UNBOUNDED
@@ -76,6 +76,10 @@ class EvictionLayer(CacheLayerMixin):
         self.sinks = False
         self.peak = 0
         self.fill: torch.Tensor | None = None  # [1] the next append's slot, on the device
+        # A ragged layout (decode.ragged): each head's next slot [B, Hkv] on the device, and the slots left in the
+        # room every head has.
+        self.count: torch.Tensor | None = None
+        self.room_left = 0
         self.worst: torch.Tensor | None = None  # [B, Hkv, 1] the highest lowest-candidate score of any claim
         # A policy's position scores for the next AHEAD positions from ahead_base [B, 1, 1], for claims to read.
         self.ahead: torch.Tensor | None = None
@@ -90,11 +94,18 @@ class EvictionLayer(CacheLayerMixin):
 
     @property
     def keys(self) -> torch.Tensor:
-        return self.slots.keys
+        """[B, Hkv, S, D], gathered from a ragged layout's rows."""
+        return self.slots.dense().keys
 
     @property
     def values(self) -> torch.Tensor:
-        return self.slots.values
+        return self.slots.dense().values
+
+    def kv_bytes(self) -> int:
+        """Bytes of the keys and values this layer has allocated (a growing layer's spare slots included)."""
+        if not self.is_initialized:
+            return 0
+        return 2 * self.slots.keys.numel() * self.slots.keys.element_size()
 
     @property
     def held(self) -> torch.Tensor:
@@ -210,15 +221,22 @@ class EvictionLayer(CacheLayerMixin):
         return attend(query, slots, scaling)
 
     def _append(self, query, key, value, scaling) -> torch.Tensor:
-        """One token per sequence into the next slot of growing buffers, then its attention."""
-        append(self.slots, key, value, self.shared.last, self.fill)
+        """One token per sequence into the next slot of growing buffers (each head's own, in a ragged layout), then
+        its attention."""
+        if self.count is not None:
+            append_ragged(self.slots, key, value, self.shared.last, self.count)
+        else:
+            append(self.slots, key, value, self.shared.last, self.fill)
         return attend(query, self.slots, scaling)
 
     def advance(self) -> None:
         """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
         self.seen += 1
         if self.unbounded:
-            self.filled += 1
+            if self.count is not None:
+                self.room_left -= 1
+            else:
+                self.filled += 1
             self.most += 1
         else:
             self.most = min(self.most + 1, self.largest)
@@ -228,7 +246,7 @@ class EvictionLayer(CacheLayerMixin):
     def buffers(self) -> tuple:
         """What a captured decode step of this layer reads and writes, by address: a step captured for other
         buffers does not fit these."""
-        tensors = [*self.slots.tensors(), self.fill, self.ahead, self.ahead_base, self.worst]
+        tensors = [*self.slots.tensors(), self.fill, self.count, self.ahead, self.ahead_base, self.worst]
         if self.plan is not None:
             tensors += [self.plan["recent"], self.plan["sinks"]]
         return (self.unbounded, *(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors))
@@ -244,6 +262,11 @@ class EvictionLayer(CacheLayerMixin):
         if self.window is not None:
             return False
         slots = self.slots
+        if self.unbounded and self.count is not None:
+            if self.room_left > 0:
+                return False
+            self._ragged(bucket(self.most + 1) - self.most)  # a bucket's room for every head, as dense layers grow
+            return True
         if self.unbounded:
             if self.filled < slots.width:
                 return False
@@ -341,9 +364,18 @@ class EvictionLayer(CacheLayerMixin):
         self._keep(Slots(keys, values, result.held, position, result.scores), entered)
         return result.output
 
+    def _ragged(self, room: int) -> None:
+        """Lay out a growing layer whose heads hold different numbers of tokens ragged, with ``room`` free slots in
+        every head (:func:`~h2o_eval.decode.ragged`)."""
+        self.slots = ragged(self.slots, room)
+        self.count, self.room_left, self.fill = self.slots.held.sum(-1), room, None
+
     def _compacted(self) -> Slots:
-        """The state a chunk starts from: the slots filled so far (not a growing layer's spare room)."""
+        """The state a chunk starts from: the slots filled so far (not a growing layer's spare room), in the dense
+        layout."""
         slots = self.slots
+        if self.count is not None:
+            return slots.held_first(self.most)
         if self.unbounded and self.filled < slots.width:
             return slots.map(lambda tensor: tensor[:, :, : self.filled])
         return slots
@@ -497,8 +529,11 @@ class EvictionLayer(CacheLayerMixin):
         if self.window is not None or self.plan is None or self.shared.deferred:
             return
         plan = self.plan
-        self.filled = slots.width
+        self.filled, self.count = slots.width, None
         if self.unbounded:
+            if held.numel() and bool((held.amax(-1) > held.amin(-1)).any()):  # heads hold different counts
+                self._ragged(0)  # exactly what the heads hold, until a decode step asks for room
+                return
             self.fill = torch.tensor([self.filled], dtype=torch.int64, device=slots.held.device)
             return
         capacity = plan["capacity"]

@@ -342,6 +342,51 @@ def test_kvzip_through_the_public_api_holds_c_slots_once_compress_ran(tiny):
     assert all(torch.equal(layer.held.sum(-1), before + 4) for layer, before in zip(cache.layers, held, strict=True))
 
 
+def test_per_head_budgets_allocate_the_bytes_their_capacity_says(tiny):
+    """KVzip, Ada-KV and CriticalKV at budget 0.25 on SmolLM2, after their compression: the keys and values the
+    cache allocates are at most 0.27 of the full cache's, where heads padded to the fullest took up to 0.42 (a
+    ragged layout: each head's rows are what it holds). KVzip's heads hold different counts here, so the ragged
+    layout is what is measured."""
+    model, tokenizer = load_model("smollm2-135m", device="cpu")
+    context = tokenizer("Paris is the capital of France. " * 12, return_tensors="pt").input_ids
+    full = EvictionCache(model, make_policy("full"), protocol="context")
+    model(context, cache=full, use_cache=True)
+    for name in ("kvzip", "adakv", "criticalkv"):
+        cache = EvictionCache(model, make_policy(name, budget=0.25), protocol="context")
+        model(context, cache=cache, use_cache=True)
+        compress(model, cache, tokenizer, context)
+        assert cache.kv_bytes() <= 0.27 * full.kv_bytes(), name
+        if name == "kvzip":
+            assert any(layer.slots.entry is not None for layer in cache.layers)
+
+
+def test_a_ragged_layer_decodes_as_the_chunk_path_would(tiny):
+    """Reference: the generated tokens fed as one chunk after the same compressed context (the mechanism's chunk
+    path, on the dense layout); implementation: 60 decode steps into KVzip's ragged layout, which crosses its
+    first bucket of room (a regrowth): the same logits, the same held slots."""
+    model, tokenizer = tiny
+    context = torch.randint(5, 400, (1, 120), generator=torch.Generator().manual_seed(11))
+
+    def compressed():
+        cache = EvictionCache(model, make_policy("kvzip", budget=30), protocol="context", decoding="grow")
+        model(context, cache=cache, use_cache=True)
+        compress(model, cache, tokenizer, context)
+        return cache
+
+    cache = compressed()
+    assert all(layer.slots.entry is not None for layer in cache.layers), "the heads should hold different counts"
+    tokens = torch.randint(5, 400, (1, 60), generator=torch.Generator().manual_seed(12))
+    steps = [model(tokens[:, i : i + 1], cache=cache, use_cache=True).logits for i in range(tokens.shape[1])]
+    chunk_cache = compressed()
+    chunk = model(tokens, cache=chunk_cache, use_cache=True).logits
+    torch.testing.assert_close(torch.cat(steps, 1), chunk, rtol=1e-5, atol=1e-5)
+    for layer, other in zip(cache.layers, chunk_cache.layers, strict=True):
+        assert torch.equal(layer.held.sum(-1), other.held.sum(-1))
+        mine = [sorted(layer.position[0, h][layer.held[0, h]].tolist()) for h in range(layer.held.shape[1])]
+        theirs = [sorted(other.position[0, h][other.held[0, h]].tolist()) for h in range(other.held.shape[1])]
+        assert mine == theirs
+
+
 @pytest.mark.parametrize("name", [n for n in POLICIES if example_policy(n).rehearses])
 def test_a_prompt_waiting_for_its_passes_refuses_the_next_tokens_naming_compress(tiny, name):
     model, tokenizer = tiny
