@@ -55,6 +55,7 @@ class GenerationLog:
     rows: int = 0
     seconds: float = 0.0
     peak_entries: int = 0
+    allocated_bytes: float = 0.0  # the bytes of keys and values the batches' caches had allocated, summed over rows
     full_entries: int = 0
     entry_bytes: int = 0
 
@@ -73,6 +74,7 @@ class GenerationLog:
         self.generated_tokens += sum(len(tokens) for tokens in generated)
         self.seconds += seconds
         self.peak_entries = max(self.peak_entries, cache.peak_entries)
+        self.allocated_bytes += cache.kv_bytes() * len(generated) / len(cache.lengths)
         # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
         self.full_entries = max(self.full_entries, max(prompts) + sequences.shape[1] - batch.input_ids.shape[1] - 1)
         self.entry_bytes = cache.entry_bytes() * cache.num_layers * cache.kv_heads
@@ -92,7 +94,8 @@ class GenerationLog:
 
     def fields(self) -> dict[str, Any]:
         """The record's ``generation`` (token means, tokens/s, KV peak and full-cache entries per KV head and the
-        bytes they take over all layers and heads) and ``capacity``."""
+        bytes they take over all layers and heads, and the bytes of keys and values a sequence's cache allocated at
+        its end, spare slots included) and ``capacity``."""
         n = max(self.rows, 1)
         return {
             "generation": {
@@ -104,6 +107,7 @@ class GenerationLog:
                 "kv_peak_bytes": self.peak_entries * self.entry_bytes,
                 "kv_full_entries": self.full_entries,
                 "kv_full_bytes": self.full_entries * self.entry_bytes,
+                "kv_allocated_bytes_mean": self.allocated_bytes / n,
             },
             "capacity": self.capacity.stats(),
         }
