@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from h2o_eval.errors import ConfigError
 from h2o_eval.implementation import Implementation
 from h2o_eval.policies import Policy, Rule
 from h2o_eval.policies.inputs import Script
@@ -39,6 +40,17 @@ class LayerContext:
     prompt: tuple[int, ...] | None = None
     one_forward: bool = False
     rotary: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def prompt_rows(self, arriving: torch.Tensor) -> torch.Tensor:
+        """[B] the first chunk's rows that are prompt rows (left padding included; ``arriving`` [B, n] marks the
+        real tokens): none under ``simulate``, the first ``prompt`` real tokens when given, else the whole chunk."""
+        batch, n = arriving.shape
+        if self.protocol == "simulate":
+            return torch.zeros(batch, dtype=torch.int64, device=arriving.device)
+        if self.prompt is None:
+            return torch.full((batch,), n, dtype=torch.int64, device=arriving.device)
+        pads_before = (arriving.cumsum(-1) == 0).sum(-1)
+        return pads_before + torch.tensor(self.prompt, device=arriving.device)
 
     def rows(self, rows: list[int]) -> LayerContext:
         """This context for the sequences ``rows`` of its batch."""
@@ -139,3 +151,24 @@ def plan_tensors(policy: Policy, lengths: list[int], layer: int, context: LayerC
         "recent": shared.shared(tuple(p.recent for p in plans), device),
         "sinks": shared.shared(tuple(p.sinks for p in plans), device),
     }
+
+
+def first_plan(
+    context: LayerContext, sequences: Sequences, layer: int, arriving: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """A layer's capacity per (sequence, KV head), recent window and sinks, fixed on its first chunk (``arriving``
+    [B, n] marks its real tokens); the lengths budgets apply to are fixed by the cache's first layer: the context's
+    ``length``, or the chunk's real lengths."""
+    if sequences.lengths is None:
+        length = context.length
+        if length is not None:
+            sequences.lengths = [length] * arriving.shape[0] if isinstance(length, int) else list(length)
+        elif (
+            arriving.shape[1] == 1
+            and not context.one_forward
+            and context.policy.capacity(1) != context.policy.capacity(1 << 20)
+        ):
+            raise ConfigError("a fraction budget needs a length: give EvictionCache(..., length=N) or a token budget")
+        else:
+            sequences.lengths = arriving.sum(-1).tolist()
+    return plan_tensors(context.policy, sequences.lengths, layer, context, sequences, arriving.device)

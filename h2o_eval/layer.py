@@ -36,9 +36,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from h2o_eval.attention import check_kv_heads, check_window, key_validity, plain_attention
 from h2o_eval.compression import compress
-from h2o_eval.context import LayerContext, Sequences, plan_tensors, starting_scores
+from h2o_eval.context import LayerContext, Sequences, first_plan, starting_scores
 from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, ragged, widened
-from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import Chunk
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
@@ -305,7 +304,7 @@ class EvictionLayer(CacheLayerMixin):
         batch, kv_heads, n = key.shape[0], key.shape[1], query.shape[2]
         first = self.seen == n
         if first:
-            self.plan = self._plan(arriving)
+            self.plan = first_plan(context, self.shared, self.layer_idx, arriving)
             if (own := context.policy.attention(query, key, value, arriving, scaling)) is not None:
                 self._keep_all(key, value, arriving)
                 return own
@@ -317,7 +316,7 @@ class EvictionLayer(CacheLayerMixin):
             return plain_attention(module, query, keys, values, attention_mask, scaling) if output else None
         position = torch.cat([slots.position, new_position], dim=-1).contiguous()
         fresh = starting_scores(context.policy, key, new_position, self.layer_idx)
-        prefill = self._prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device)
+        prefill = context.prompt_rows(arriving) if first else torch.zeros(batch, dtype=torch.int64, device=key.device)
         rescore = None
         if first and context.policy.rescores:
             rows = torch.arange(n, device=key.device)
@@ -387,37 +386,6 @@ class EvictionLayer(CacheLayerMixin):
             self.moved = True
             slots = slots.held_first(int(slots.held.sum(-1).max()))
         self.slots = slots
-
-    def _plan(self, arriving: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The layer's capacity per (sequence, KV head), recent window and sinks, fixed on the first chunk."""
-        context, sequences = self.context, self.shared
-        if sequences.lengths is None:
-            length = context.length
-            if length is not None:
-                sequences.lengths = [length] * arriving.shape[0] if isinstance(length, int) else list(length)
-            elif (
-                arriving.shape[1] == 1
-                and not context.one_forward
-                and context.policy.capacity(1) != context.policy.capacity(1 << 20)
-            ):
-                raise ConfigError(
-                    "a fraction budget needs a length: give EvictionCache(..., length=N) or a token budget"
-                )
-            else:
-                sequences.lengths = arriving.sum(-1).tolist()
-        return plan_tensors(context.policy, sequences.lengths, self.layer_idx, context, sequences, arriving.device)
-
-    def _prompt_rows(self, arriving: torch.Tensor) -> torch.Tensor:
-        """[B] the first chunk's rows that are prompt rows (left padding included): none under ``simulate``, the
-        first ``prompt`` real tokens when given, else the whole chunk."""
-        batch, n = arriving.shape
-        context = self.context
-        if context.protocol == "simulate":
-            return torch.zeros(batch, dtype=torch.int64, device=arriving.device)
-        if context.prompt is None:
-            return torch.full((batch,), n, dtype=torch.int64, device=arriving.device)
-        pads_before = (arriving.cumsum(-1) == 0).sum(-1)
-        return pads_before + torch.tensor(context.prompt, device=arriving.device)
 
     def _rehearse(self, module, query, key, value, attention_mask, scaling, arriving, hidden_states) -> torch.Tensor:
         """An extra pass (:meth:`EvictionCache.rehearsal`): its tokens attend to the held slots and to each other,
