@@ -117,18 +117,19 @@ def widened(slots: Slots, size: int) -> Slots:
     return Slots(*grown)
 
 
-def ragged(slots: Slots, room: int) -> Slots:
+def ragged(slots: Slots, room: int, counts: list[list[int]]) -> Slots:
     """The layout of a layer whose KV heads hold different numbers of tokens and no longer evict: in each sequence,
     each head's held tokens then ``room`` free slots are contiguous rows of keys and values [B, E, D] (E: the
     longest sequence's rows, and one spare row for the slots past a head's room, which are never held), and
     ``entry`` gives each slot's row. The keys and values take the bytes of what the heads hold and their room, not
-    every head padded to the fullest one (Ada-KV's and KVzip's budgets differ per head)."""
-    slots = slots.held_first()
-    count = slots.held.sum(-1)  # [B, Hkv]
-    size = count + room
-    total, width = int(size.sum(-1).max()), int(size.max())
-    slots = widened(slots, max(width, slots.width)).map(lambda tensor: tensor[:, :, :width])
-    columns = torch.arange(width, device=count.device)
+    every head padded to the fullest one (Ada-KV's and KVzip's budgets differ per head). ``counts``: per sequence
+    and KV head the tokens held, known on the host, so that nothing is read from the device."""
+    sizes = [[count + room for count in row] for row in counts]
+    total, width = max(sum(row) for row in sizes), max(max(row) for row in sizes)
+    device = slots.held.device
+    size = torch.tensor(sizes, device=device)
+    slots = widened(slots.held_first(), max(width, slots.width)).map(lambda tensor: tensor[:, :, :width])
+    columns = torch.arange(width, device=device)
     entry = torch.where(columns < size.unsqueeze(-1), (size.cumsum(-1) - size).unsqueeze(-1) + columns, total)
     batch, kv_heads, _, dim = slots.keys.shape
     index = entry.view(batch, kv_heads * width, 1).expand(-1, -1, dim)

@@ -79,6 +79,8 @@ class EvictionLayer(CacheLayerMixin):
         # room every head has.
         self.count: torch.Tensor | None = None
         self.room_left = 0
+        self.counts: list[list[int]] = []  # per sequence and KV head, the tokens held when last laid out
+        self.grown = 0  # tokens appended since
         self.worst: torch.Tensor | None = None  # [B, Hkv, 1] the highest lowest-candidate score of any claim
         # A policy's position scores for the next AHEAD positions from ahead_base [B, 1, 1], for claims to read.
         self.ahead: torch.Tensor | None = None
@@ -234,6 +236,7 @@ class EvictionLayer(CacheLayerMixin):
         if self.unbounded:
             if self.count is not None:
                 self.room_left -= 1
+                self.grown += 1
             else:
                 self.filled += 1
             self.most += 1
@@ -264,7 +267,8 @@ class EvictionLayer(CacheLayerMixin):
         if self.unbounded and self.count is not None:
             if self.room_left > 0:
                 return False
-            self._ragged(bucket(self.most + 1) - self.most)  # a bucket's room for every head, as dense layers grow
+            counts = [[count + self.grown for count in row] for row in self.counts]
+            self._ragged(counts, bucket(self.most + 1) - self.most)  # a bucket's room for every head, as dense grow
             return True
         if self.unbounded:
             if self.filled < slots.width:
@@ -363,11 +367,12 @@ class EvictionLayer(CacheLayerMixin):
         self._keep(Slots(keys, values, result.held, position, result.scores), entered)
         return result.output
 
-    def _ragged(self, room: int) -> None:
-        """Lay out a growing layer whose heads hold different numbers of tokens ragged, with ``room`` free slots in
-        every head (:func:`~h2o_eval.decode.ragged`)."""
-        self.slots = ragged(self.slots, room)
-        self.count, self.room_left, self.fill = self.slots.held.sum(-1), room, None
+    def _ragged(self, counts: list[list[int]], room: int) -> None:
+        """Lay out a growing layer whose heads hold ``counts`` tokens (per sequence and KV head) ragged, with ``room``
+        free slots in every head (:func:`~h2o_eval.decode.ragged`)."""
+        self.slots = ragged(self.slots, room, counts)
+        self.count = torch.tensor(counts, device=self.slots.held.device)
+        self.counts, self.grown, self.room_left, self.fill = counts, 0, room, None
 
     def _compacted(self) -> Slots:
         """The state a chunk starts from: the slots filled so far (not a growing layer's spare room), in the dense
@@ -500,7 +505,7 @@ class EvictionLayer(CacheLayerMixin):
         self.filled, self.count = slots.width, None
         if self.unbounded:
             if held.numel() and bool((held.amax(-1) > held.amin(-1)).any()):  # heads hold different counts
-                self._ragged(0)  # exactly what the heads hold, until a decode step asks for room
+                self._ragged(held.tolist(), 0)  # exactly what the heads hold, until a decode step asks for room
                 return
             self.fill = torch.tensor([self.filled], dtype=torch.int64, device=slots.held.device)
             return

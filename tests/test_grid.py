@@ -300,7 +300,7 @@ def test_the_oracle_at_several_budgets_generates_each_full_answer_once(data_dir,
     model, tokenizer = load_model("tiny-llama", device="cpu")
     separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
     # The full answers: under context from a copy of the cache's context, under prefill by feeding the prompt.
-    owner, name = (EvictionCache, "full_copy") if protocol == "context" else (generation, "answers")
+    owner, name = (EvictionCache, "full_copy") if protocol == "context" else (generation.passes, "answers")
     calls, answering = [], getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *args, **kwargs: calls.append(1) or answering(*args, **kwargs))
     shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
