@@ -35,6 +35,7 @@ from h2o_eval.policies.keydiff import KeyDiff
 from h2o_eval.policies.knorm import KNorm
 from h2o_eval.policies.kvzip import KVzip
 from h2o_eval.policies.local import Local
+from h2o_eval.policies.observed_attention import ObservedAttention
 from h2o_eval.policies.oracle import Oracle
 from h2o_eval.policies.pyramidkv import PyramidKV
 from h2o_eval.policies.random import Random
@@ -63,6 +64,7 @@ POLICIES: dict[str, type[Policy]] = {
         CriticalKV,
         KVzip,
         Oracle,
+        ObservedAttention,
     )  # fmt: skip
 }
 

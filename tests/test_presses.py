@@ -1,0 +1,140 @@
+"""The kvpress presses reproduced as policies: each scorer by hand on tiny tensors, and each policy on a tiny Llama
+against the press's formula written here from kvpress's source and the papers (not by calling the policy).
+kvpress 0.5.5 itself is compared on SmolLM2 by ``h2o_eval.benchmarks.kvpress_compare`` (docs/policies.md, "Against
+kvpress")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_scorers import attention_inputs, kept_by_layer, top
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from h2o_eval import EvictionCache, load_model, make_policy
+from h2o_eval.errors import ConfigError
+from h2o_eval.policies import Plan
+from h2o_eval.policies.inputs import Prompt
+
+LENGTH = 40
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-llama", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def observed(tiny):
+    """The tiny Llama on a 40-token prompt: per layer its attention input, keys, values, queries after rotary
+    embedding, and the eager attention weights [Hq, T, T]."""
+    model, _ = tiny
+    ids = torch.randint(100, 4000, (1, LENGTH), generator=torch.Generator().manual_seed(8))
+    inputs = attention_inputs(model, ids)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            weights = model(ids, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation(previous)
+    heads = model.config.num_attention_heads
+    dim = model.config.hidden_size // heads
+    cos, sin = model.model.rotary_emb(inputs[0][0], torch.arange(LENGTH).view(1, -1))
+    layers = []
+    for layer, (hidden, keys, values) in enumerate(inputs):
+        with torch.no_grad():
+            query = model.model.layers[layer].self_attn.q_proj(hidden).view(1, LENGTH, heads, dim).transpose(1, 2)
+        query, _ = apply_rotary_pos_emb(query, query, cos, sin)
+        layers.append({"hidden": hidden[0], "keys": keys[0], "values": values[0], "query": query[0],
+                       "weights": weights[layer][0]})  # fmt: skip
+    return ids, layers
+
+
+def compressed(model, policy, ids) -> list[list[set[int]]]:
+    """The positions each (layer, KV head) keeps after ``ids`` are compressed as one prompt."""
+    cache = EvictionCache(model, policy, protocol="prefill")
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    return kept_by_layer(cache)
+
+
+def hand_prompt(key, value=None, query=None, real=None, capacity=2) -> Prompt:
+    """A one-sequence prompt of keys [Hkv, n, D] (values and queries default to the keys; no rotary embedding)."""
+    key = torch.as_tensor(key, dtype=torch.float32).unsqueeze(0)
+    n = key.shape[2]
+    value = key if value is None else torch.as_tensor(value, dtype=torch.float32).unsqueeze(0)
+    query = key if query is None else torch.as_tensor(query, dtype=torch.float32).unsqueeze(0)
+    return Prompt(
+        module=torch.nn.Module(),
+        layer=0,
+        query=query,
+        key=key,
+        value=value,
+        position=torch.arange(n).view(1, n),
+        real=torch.ones(1, n, dtype=torch.bool) if real is None else torch.tensor([real]),
+        capacity=torch.full((1, key.shape[1]), capacity),
+        hidden_states=None,
+        rotary=None,
+        scaling=key.shape[-1] ** -0.5,
+    )
+
+
+def scores_of(policy, prompt, votes=None) -> torch.Tensor:
+    shape = prompt.key.shape[:-1]
+    votes = torch.zeros(shape) if votes is None else votes
+    return policy.compression_scores(prompt, votes, torch.zeros(shape, dtype=torch.bool))
+
+
+# Plans and parameters.
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "length", "plan"),
+    [
+        ("observed_attention", {}, 100, Plan(capacity=20, recent=0)),
+        # 100 tokens: 5 chunks of 20, one kept; 1030 tokens: 52 chunks (the last of 10 tokens, inside SnapKV's
+        # window of 64, so always kept): ceil(52 * 0.2) = 11 chunks, 10 * 20 + 10 tokens.
+    ],
+)
+def test_plans(name, params, length, plan):
+    assert make_policy(name, budget=0.2, **params).plan(length) == plan
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [],
+)
+def test_every_parameter_is_checked_in_one_line(name, params, message):
+    with pytest.raises(ConfigError, match=message):
+        make_policy(name, budget=0.2, **params)
+
+
+# Observed attention, and how it differs from H2O.
+
+
+def test_observed_attention_averages_over_the_rows_that_saw_each_token():
+    """Votes 2, 1.5, 1 (one query head) after a padding column: the three real rows saw token 0, two saw token 1,
+    one saw token 2, so the averages 2/3, 3/4, 1 rank the tokens the other way round from H2O's sums."""
+    prompt = hand_prompt([[[1.0], [1.0], [1.0], [1.0]]], real=[False, True, True, True])
+    votes = torch.tensor([[[0.0, 2.0, 1.5, 1.0]]])
+    scores = scores_of(make_policy("observed_attention", 2), prompt, votes)
+    torch.testing.assert_close(scores[0, 0, 1:], torch.tensor([2 / 3, 3 / 4, 1.0]))
+    assert scores[0, 0, 1:].argsort().tolist() == votes[0, 0, 1:].argsort(descending=True).tolist()
+
+
+def test_observed_attention_keeps_the_best_averages_where_h2o_keeps_sums_and_a_window(tiny, observed):
+    """Reference: the model's eager attention weights summed over the prompt's rows, divided by 40 - j (the rows
+    that saw token j), averaged over the KV head's query heads; the best 12 are kept. H2O at the same budget keeps
+    its 6 newest tokens and the 6 best column sums: a different choice in every head here."""
+    model, _ = tiny
+    ids, layers = observed
+    mine = compressed(model, make_policy("observed_attention", 0.3), ids)
+    h2o = compressed(model, make_policy("h2o", 0.3), ids)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, seen in enumerate(layers):
+        for head in range(model.config.num_key_value_heads):
+            sums = seen["weights"][head * group : (head + 1) * group].double().sum(dim=(0, 1))
+            averages = sums / torch.arange(LENGTH, 0, -1) / group
+            assert mine[layer][head] == top(averages, 12, set()), (layer, head)
+            assert h2o[layer][head] == top(sums, 12, set(range(34, 40)))
+            assert mine[layer][head] != h2o[layer][head]
