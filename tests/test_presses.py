@@ -92,6 +92,9 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
     ("name", "params", "length", "plan"),
     [
         ("observed_attention", {}, 100, Plan(capacity=20, recent=0)),
+        ("lagkv", {}, 100, Plan(capacity=20, recent=16, sinks=4)),  # shorter than 4 + 2 * 128: sinks + newest
+        ("lagkv", {}, 2000, Plan(capacity=400, recent=128 + 1996 % 128, sinks=4)),  # the last partition + the rest
+        ("lagkv", {}, 1000, Plan(capacity=200, recent=200, sinks=0)),  # C below sinks + tail (232): the newest
         # 100 tokens: 5 chunks of 20, one kept; 1030 tokens: 52 chunks (the last of 10 tokens, inside SnapKV's
         # window of 64, so always kept): ceil(52 * 0.2) = 11 chunks, 10 * 20 + 10 tokens.
     ],
@@ -102,7 +105,10 @@ def test_plans(name, params, length, plan):
 
 @pytest.mark.parametrize(
     ("name", "params", "message"),
-    [],
+    [
+        ("lagkv", {"lag_size": 0}, r"^lagkv: lag_size=0: use an integer >= 1$"),
+        ("lagkv", {"cross_scoring": 1}, r"^lagkv: cross_scoring=1: use true or false$"),
+    ],
 )
 def test_every_parameter_is_checked_in_one_line(name, params, message):
     with pytest.raises(ConfigError, match=message):
@@ -138,3 +144,39 @@ def test_observed_attention_keeps_the_best_averages_where_h2o_keeps_sums_and_a_w
             assert mine[layer][head] == top(averages, 12, set()), (layer, head)
             assert h2o[layer][head] == top(sums, 12, set(range(34, 40)))
             assert mine[layer][head] != h2o[layer][head]
+
+
+# LagKV.
+
+
+def lag_reference(states: torch.Tensor, n_sink: int, lag: int) -> torch.Tensor:
+    """[n] one head's LagKV token scores before ranking (0 on the sinks and the tail): partition p's tokens
+    min-max normalised per channel by partition p + 1, their channels' standard deviation softmaxed over p."""
+    n = states.shape[0]
+    partitions = (n - n_sink) // lag
+    scores = torch.zeros(n, dtype=torch.float64)
+    for p in range(partitions - 1):
+        start = n_sink + p * lag
+        tokens, reference = states[start : start + lag].double(), states[start + lag : start + 2 * lag].double()
+        low, high = reference.min(0).values, reference.max(0).values
+        spread = torch.stack([((token - low) / (high - low)).std() for token in tokens])
+        scores[start : start + lag] = torch.softmax(spread, 0)
+    return scores
+
+
+@pytest.mark.parametrize("cross_scoring", [False, True])
+def test_lagkv_scores_each_partition_against_the_next(cross_scoring):
+    """One sink, partitions of 3, 12 tokens: partitions 1-3, 4-6 and 7-9, then 10-11; tokens 1-6 are scored (the
+    key's and value's scores averaged, ranked within the partition over 3), the sink and the last 5 score 1."""
+    gen = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(2, 12, 5, generator=gen), torch.randn(2, 12, 5, generator=gen)
+    policy = make_policy("lagkv", 0.5, n_sink=1, lag_size=3, cross_scoring=cross_scoring)
+    assert policy.plan(12) == Plan(capacity=6, recent=5, sinks=1)
+    scores = scores_of(policy, hand_prompt(keys, values))[0]
+    for head in range(2):
+        expected = (lag_reference(keys[head], 1, 3) + lag_reference(values[head], 1, 3)) / 2
+        if not cross_scoring:
+            for start in (1, 4):
+                expected[start : start + 3] = expected[start : start + 3].argsort().argsort() / 3
+        expected[0], expected[7:] = 1.0, 1.0
+        torch.testing.assert_close(scores[head].double(), expected)

@@ -34,6 +34,7 @@ from h2o_eval.policies.h2o_reference import H2OReference
 from h2o_eval.policies.keydiff import KeyDiff
 from h2o_eval.policies.knorm import KNorm
 from h2o_eval.policies.kvzip import KVzip
+from h2o_eval.policies.lagkv import LagKV
 from h2o_eval.policies.local import Local
 from h2o_eval.policies.observed_attention import ObservedAttention
 from h2o_eval.policies.oracle import Oracle
@@ -65,6 +66,7 @@ POLICIES: dict[str, type[Policy]] = {
         KVzip,
         Oracle,
         ObservedAttention,
+        LagKV,
     )  # fmt: skip
 }
 
