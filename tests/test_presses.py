@@ -5,6 +5,8 @@ kvpress")."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_scorers import attention_inputs, kept_by_layer, top
@@ -14,6 +16,7 @@ from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import Plan
 from h2o_eval.policies.inputs import Prompt
+from h2o_eval.policies.leverage import gaussian_sketch
 
 LENGTH = 40
 
@@ -95,6 +98,7 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
         ("lagkv", {}, 100, Plan(capacity=20, recent=16, sinks=4)),  # shorter than 4 + 2 * 128: sinks + newest
         ("lagkv", {}, 2000, Plan(capacity=400, recent=128 + 1996 % 128, sinks=4)),  # the last partition + the rest
         ("lagkv", {}, 1000, Plan(capacity=200, recent=200, sinks=0)),  # C below sinks + tail (232): the newest
+        ("leverage", {}, 100, Plan(capacity=20, recent=0)),
         # 100 tokens: 5 chunks of 20, one kept; 1030 tokens: 52 chunks (the last of 10 tokens, inside SnapKV's
         # window of 64, so always kept): ceil(52 * 0.2) = 11 chunks, 10 * 20 + 10 tokens.
     ],
@@ -108,6 +112,7 @@ def test_plans(name, params, length, plan):
     [
         ("lagkv", {"lag_size": 0}, r"^lagkv: lag_size=0: use an integer >= 1$"),
         ("lagkv", {"cross_scoring": 1}, r"^lagkv: cross_scoring=1: use true or false$"),
+        ("leverage", {"sketch_dimension": 0}, r"^leverage: sketch_dimension=0: use an integer >= 1$"),
     ],
 )
 def test_every_parameter_is_checked_in_one_line(name, params, message):
@@ -180,3 +185,41 @@ def test_lagkv_scores_each_partition_against_the_next(cross_scoring):
                 expected[start : start + 3] = expected[start : start + 3].argsort().argsort() / 3
         expected[0], expected[7:] = 1.0, 1.0
         torch.testing.assert_close(scores[head].double(), expected)
+
+
+# Leverage scores.
+
+
+def leverage_reference(keys: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """[H, m] z-normalised leverage scores diag(X (X^T X + 0.01 I)^-1 X^T) of X = centred keys [H, m, D] times
+    ``sketch`` [H, D, k] (kvpress's Cholesky with its first jitter, 0.01), in float64."""
+    x = (keys - keys.mean(1, keepdim=True)).double() @ sketch.double()
+    gram = x.transpose(1, 2) @ x + 0.01 * torch.eye(x.shape[-1], dtype=torch.float64)
+    scores = torch.einsum("hmk,hkl,hml->hm", x, torch.linalg.inv(gram), x).clamp(min=0)
+    return (scores - scores.mean()) / scores.std()
+
+
+def kvpress_sketch(seed: int, layer: int, heads: int, dim: int, columns: int) -> torch.Tensor:
+    """[H, D, k] what kvpress draws for ``layer`` after torch.manual_seed(seed): one randn(1, H, D, k) per layer."""
+    torch.manual_seed(seed)
+    for _ in range(layer + 1):
+        drawn = torch.randn(1, heads, dim, columns)
+    return drawn[0] / math.sqrt(columns)
+
+
+def test_leverage_scores_by_its_definition_with_kvpress_sketch():
+    """A model without rotary embedding: the keys are the pre-rotary keys; layer 2's sketch is kvpress's third
+    draw after torch.manual_seed(seed)."""
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 12, 4, generator=gen) * torch.tensor([1.0, 3.0, 0.5, 2.0])
+    prompt = hand_prompt(keys)
+    prompt.layer = 2
+    scores = scores_of(make_policy("leverage", 0.5, sketch_dimension=3, seed=9), prompt)[0]
+    expected = leverage_reference(keys, kvpress_sketch(9, 2, 2, 4, 3))
+    torch.testing.assert_close(scores.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_sketch_is_what_the_global_generator_draws_after_the_seed():
+    torch.manual_seed(11)
+    draws = [torch.randn(1, 2, 4, 3, dtype=torch.float32) for _ in range(3)]
+    assert torch.equal(gaussian_sketch(11, 2, (1, 2, 4, 3), torch.float32), draws[2])

@@ -35,6 +35,7 @@ from h2o_eval.policies.keydiff import KeyDiff
 from h2o_eval.policies.knorm import KNorm
 from h2o_eval.policies.kvzip import KVzip
 from h2o_eval.policies.lagkv import LagKV
+from h2o_eval.policies.leverage import Leverage
 from h2o_eval.policies.local import Local
 from h2o_eval.policies.observed_attention import ObservedAttention
 from h2o_eval.policies.oracle import Oracle
@@ -67,6 +68,7 @@ POLICIES: dict[str, type[Policy]] = {
         Oracle,
         ObservedAttention,
         LagKV,
+        Leverage,
     )  # fmt: skip
 }
 
