@@ -98,6 +98,7 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
         ("lagkv", {}, 100, Plan(capacity=20, recent=16, sinks=4)),  # shorter than 4 + 2 * 128: sinks + newest
         ("lagkv", {}, 2000, Plan(capacity=400, recent=128 + 1996 % 128, sinks=4)),  # the last partition + the rest
         ("lagkv", {}, 1000, Plan(capacity=200, recent=200, sinks=0)),  # C below sinks + tail (232): the newest
+        ("cur", {}, 100, Plan(capacity=20, recent=0, sinks=4)),
         ("leverage", {}, 100, Plan(capacity=20, recent=0)),
         # 100 tokens: 5 chunks of 20, one kept; 1030 tokens: 52 chunks (the last of 10 tokens, inside SnapKV's
         # window of 64, so always kept): ceil(52 * 0.2) = 11 chunks, 10 * 20 + 10 tokens.
@@ -112,6 +113,8 @@ def test_plans(name, params, length, plan):
     [
         ("lagkv", {"lag_size": 0}, r"^lagkv: lag_size=0: use an integer >= 1$"),
         ("lagkv", {"cross_scoring": 1}, r"^lagkv: cross_scoring=1: use true or false$"),
+        ("cur", {"leverage_type": "both"}, r"^cur: leverage_type='both': use one of key, value, kv_avg, kv_product$"),
+        ("cur", {"local_window_size": 0}, r"local_window_size=0: use an integer >= 1$"),
         ("leverage", {"sketch_dimension": 0}, r"^leverage: sketch_dimension=0: use an integer >= 1$"),
     ],
 )
@@ -223,3 +226,41 @@ def test_the_sketch_is_what_the_global_generator_draws_after_the_seed():
     torch.manual_seed(11)
     draws = [torch.randn(1, 2, 4, 3, dtype=torch.float32) for _ in range(3)]
     assert torch.equal(gaussian_sketch(11, 2, (1, 2, 4, 3), torch.float32), draws[2])
+
+
+# CurDKV.
+
+
+@pytest.mark.parametrize("leverage_type", ["key", "value", "kv_avg", "kv_product"])
+def test_cur_scores_local_shares_of_the_squared_norms(leverage_type):
+    """Windows of 4 over 10 tokens (the last of 2): each squared norm divided by its window's sum, combined as
+    ``leverage_type`` says, divided by the total; the 2 sinks score 1."""
+    gen = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(2, 10, 3, generator=gen), torch.randn(2, 10, 3, generator=gen)
+    policy = make_policy("cur", 0.5, num_sinks=2, local_window_size=4, leverage_type=leverage_type)
+    scores = scores_of(policy, hand_prompt(keys, values))[0]
+    for head in range(2):
+        shares = []
+        for states in (keys[head], values[head]):
+            squared = (states.double() ** 2).sum(-1)
+            shares.append(torch.cat([squared[s : s + 4] / squared[s : s + 4].sum() for s in (0, 4, 8)]))
+        combined = {"key": shares[0], "value": shares[1], "kv_avg": (shares[0] + shares[1]) / 2,
+                    "kv_product": shares[0] * shares[1]}[leverage_type]  # fmt: skip
+        expected = combined / combined.sum()
+        expected[:2] = 1.0
+        torch.testing.assert_close(scores[head].double(), expected)
+
+
+def test_cur_projects_by_the_layers_draw_of_the_seeded_generator():
+    """With ``use_random_leverage``, layer 1 projects keys and values by the second draw of randn(D, 20) after
+    torch.manual_seed(seed) (kvpress's global generator, drawn once per layer), over sqrt(20)."""
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(1, 6, 3, generator=gen), torch.randn(1, 6, 3, generator=gen)
+    prompt = hand_prompt(keys, values)
+    prompt.layer = 1
+    policy = make_policy("cur", 0.5, num_sinks=0, use_random_leverage=True, use_local_approximation=False, seed=7)
+    torch.manual_seed(7)
+    torch.randn(3, 20)
+    projection = torch.randn(3, 20) / math.sqrt(20)
+    product = ((keys[0] @ projection) ** 2).sum(-1) * ((values[0] @ projection) ** 2).sum(-1)
+    torch.testing.assert_close(scores_of(policy, prompt)[0, 0], product / product.sum())

@@ -27,6 +27,7 @@ from h2o_eval.policies.base import (
     check_protocol,
 )
 from h2o_eval.policies.criticalkv import CriticalKV
+from h2o_eval.policies.cur import CUR
 from h2o_eval.policies.expected_attention import ExpectedAttention
 from h2o_eval.policies.full import Full
 from h2o_eval.policies.h2o import H2O, Heavy
@@ -68,6 +69,7 @@ POLICIES: dict[str, type[Policy]] = {
         Oracle,
         ObservedAttention,
         LagKV,
+        CUR,
         Leverage,
     )  # fmt: skip
 }
