@@ -99,6 +99,7 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
         ("lagkv", {}, 2000, Plan(capacity=400, recent=128 + 1996 % 128, sinks=4)),  # the last partition + the rest
         ("lagkv", {}, 1000, Plan(capacity=200, recent=200, sinks=0)),  # C below sinks + tail (232): the newest
         ("cur", {}, 100, Plan(capacity=20, recent=0, sinks=4)),
+        ("non_causal_attention", {}, 100, Plan(capacity=20, recent=0)),
         ("leverage", {}, 100, Plan(capacity=20, recent=0)),
         # 100 tokens: 5 chunks of 20, one kept; 1030 tokens: 52 chunks (the last of 10 tokens, inside SnapKV's
         # window of 64, so always kept): ceil(52 * 0.2) = 11 chunks, 10 * 20 + 10 tokens.
@@ -116,6 +117,7 @@ def test_plans(name, params, length, plan):
         ("cur", {"leverage_type": "both"}, r"^cur: leverage_type='both': use one of key, value, kv_avg, kv_product$"),
         ("cur", {"local_window_size": 0}, r"local_window_size=0: use an integer >= 1$"),
         ("leverage", {"sketch_dimension": 0}, r"^leverage: sketch_dimension=0: use an integer >= 1$"),
+        ("non_causal_attention", {"chunk_size": 0}, r"chunk_size=0: use an integer >= 1$"),
     ],
 )
 def test_every_parameter_is_checked_in_one_line(name, params, message):
@@ -264,3 +266,44 @@ def test_cur_projects_by_the_layers_draw_of_the_seeded_generator():
     projection = torch.randn(3, 20) / math.sqrt(20)
     product = ((keys[0] @ projection) ** 2).sum(-1) * ((values[0] @ projection) ** 2).sum(-1)
     torch.testing.assert_close(scores_of(policy, prompt)[0, 0], product / product.sum())
+
+
+# Non-causal chunked attention.
+
+
+def non_causal_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: int) -> torch.Tensor:
+    """[Hkv, m] z-normalised non-causal chunk attention: per chunk of ``chunk`` tokens (the last completed with zero
+    queries and keys, as kvpress pads it), softmax(q k^T) unscaled, summed over the chunk's queries, averaged over
+    the group, times ||v||, averaged over each token and its two neighbours (zeros beyond the ends)."""
+    heads, m, dim = query.shape
+    group = heads // key.shape[0]
+    keys = key.repeat_interleave(group, 0).double()
+    sums = torch.zeros(heads, m, dtype=torch.float64)
+    for start in range(0, m, chunk):
+        size = min(chunk, m - start)
+        q, k = torch.zeros(heads, chunk, dim, dtype=torch.float64), torch.zeros(heads, chunk, dim, dtype=torch.float64)
+        q[:, :size], k[:, :size] = query[:, start : start + size].double(), keys[:, start : start + size]
+        sums[:, start : start + size] = torch.softmax(q @ k.transpose(1, 2), -1).sum(1)[:, :size]
+    scores = sums.view(key.shape[0], group, m).mean(1) * value.double().norm(dim=-1)
+    padded = torch.nn.functional.pad(scores, (1, 1))
+    pooled = (padded[:, :-2] + padded[:, 1:-1] + padded[:, 2:]) / 3
+    return (pooled - pooled.mean()) / pooled.std()
+
+
+def test_non_causal_attention_pads_its_last_chunk_with_zero_queries_that_attend_uniformly():
+    """One head, a 2-token chunk completed to 4 with zero queries and keys: query (0, 2) on keys (1, 0), (0, 1)
+    and the two zero keys gives softmax(0, 2, 0, 0); query (0, 0) and the two zero queries give each key 1/4."""
+    from h2o_eval.policies.non_causal_attention import chunked_column_sums
+
+    query = torch.tensor([[[0.0, 2.0], [0.0, 0.0]]])
+    key = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    first = torch.softmax(torch.tensor([0.0, 2.0, 0.0, 0.0]), 0)
+    expected = first[:2] + 0.25 + 0.5
+    torch.testing.assert_close(chunked_column_sums(query, key, 4)[0], expected)
+
+
+def test_non_causal_attention_scores_by_its_definition():
+    gen = torch.Generator().manual_seed(4)
+    query, key, value = (torch.randn(h, 11, 4, generator=gen) for h in (4, 2, 2))
+    scores = scores_of(make_policy("non_causal_attention", 0.5, chunk_size=4), hand_prompt(key, value, query))[0]
+    torch.testing.assert_close(scores.double(), non_causal_reference(query, key, value, 4), atol=1e-5, rtol=1e-5)

@@ -38,6 +38,7 @@ from h2o_eval.policies.kvzip import KVzip
 from h2o_eval.policies.lagkv import LagKV
 from h2o_eval.policies.leverage import Leverage
 from h2o_eval.policies.local import Local
+from h2o_eval.policies.non_causal_attention import NonCausalAttention
 from h2o_eval.policies.observed_attention import ObservedAttention
 from h2o_eval.policies.oracle import Oracle
 from h2o_eval.policies.pyramidkv import PyramidKV
@@ -70,6 +71,7 @@ POLICIES: dict[str, type[Policy]] = {
         ObservedAttention,
         LagKV,
         CUR,
+        NonCausalAttention,
         Leverage,
     )  # fmt: skip
 }
