@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import Plan
+from h2o_eval.policies import POLICIES, Plan
 from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.leverage import gaussian_sketch
 
@@ -101,6 +101,9 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
         ("cur", {}, 100, Plan(capacity=20, recent=0, sinks=4)),
         ("non_causal_attention", {}, 100, Plan(capacity=20, recent=0)),
         ("leverage", {}, 100, Plan(capacity=20, recent=0)),
+        ("compactor", {}, 100, Plan(capacity=20, recent=4, sinks=8)),
+        ("compactor", {}, 30, Plan(capacity=6, recent=0, sinks=6)),
+        ("adakv", {"base": "compactor"}, 100, Plan(capacity=20, recent=4, sinks=8)),
         # 100 tokens: 5 chunks of 20, one kept; 1030 tokens: 52 chunks (the last of 10 tokens, inside SnapKV's
         # window of 64, so always kept): ceil(52 * 0.2) = 11 chunks, 10 * 20 + 10 tokens.
     ],
@@ -118,6 +121,8 @@ def test_plans(name, params, length, plan):
         ("cur", {"local_window_size": 0}, r"local_window_size=0: use an integer >= 1$"),
         ("leverage", {"sketch_dimension": 0}, r"^leverage: sketch_dimension=0: use an integer >= 1$"),
         ("non_causal_attention", {"chunk_size": 0}, r"chunk_size=0: use an integer >= 1$"),
+        ("compactor", {"blending": -1}, r"^compactor: blending=-1: use a number >= 0$"),
+        ("compactor", {"sink_size_end": -1}, r"sink_size_end=-1: use an integer >= 0$"),
     ],
 )
 def test_every_parameter_is_checked_in_one_line(name, params, message):
@@ -307,3 +312,51 @@ def test_non_causal_attention_scores_by_its_definition():
     query, key, value = (torch.randn(h, 11, 4, generator=gen) for h in (4, 2, 2))
     scores = scores_of(make_policy("non_causal_attention", 0.5, chunk_size=4), hand_prompt(key, value, query))[0]
     torch.testing.assert_close(scores.double(), non_causal_reference(query, key, value, 4), atol=1e-5, rtol=1e-5)
+
+
+# Compactor, and AdaKV over it.
+
+
+def compactor_reference(model, seen, layer: int, ratio: float) -> torch.Tensor:
+    """[Hkv, T] Compactor's scores of one layer of the tiny Llama: tokens 2..T-3 score (1 - budget) x the
+    leverage of their pre-rotary keys (``k_proj`` of the attention input) + their non-causal attention; the two
+    first and two last tokens score the largest of those."""
+    module = model.model.layers[layer].self_attn
+    kv_heads, dim = seen["keys"].shape[0], seen["keys"].shape[-1]
+    middle = slice(2, LENGTH - 2)
+    with torch.no_grad():
+        prerope = module.k_proj(seen["hidden"][middle]).view(-1, kv_heads, dim).transpose(0, 1)
+    leverage = leverage_reference(prerope, kvpress_sketch(42, layer, kv_heads, dim, 8))
+    attention = non_causal_reference(seen["query"][:, middle], seen["keys"][:, middle], seen["values"][:, middle], 8)
+    blended = ratio * leverage + attention
+    scores = torch.full((kv_heads, LENGTH), float(blended.max()), dtype=torch.float64)
+    scores[:, middle] = blended
+    return scores
+
+
+def test_compactor_keeps_what_its_definition_keeps(tiny, observed):
+    model, _ = tiny
+    ids, layers = observed
+    policy = make_policy("compactor", 0.5, **POLICIES["compactor"].example)
+    kept = compressed(model, policy, ids)
+    for layer, seen in enumerate(layers):
+        scores = compactor_reference(model, seen, layer, 0.5)
+        for head in range(scores.shape[0]):
+            assert kept[layer][head] == top(scores[head], 20, {0, 1, 38, 39}), (layer, head)
+
+
+def test_adakv_over_compactor_keeps_what_kvpress_adakv_keeps(tiny, observed):
+    """Reference: kvpress's AdaKVPress over Compactor's scores (its definition above): each head's
+    int(0.2 * 20) = 4 best are safe (the ends, scoring the largest, are among them), then the 2 * 20 best of the
+    layer go to whichever head holds them."""
+    model, _ = tiny
+    ids, layers = observed
+    policy = make_policy("adakv", 0.5, base="compactor", **POLICIES["compactor"].example)
+    kept = compressed(model, policy, ids)
+    for layer, seen in enumerate(layers):
+        scores = compactor_reference(model, seen, layer, 0.5)
+        safe = scores.topk(4, dim=-1).indices
+        scores.scatter_(-1, safe, torch.inf)
+        best = scores.flatten().topk(2 * 20).indices
+        expected = [{int(i) % LENGTH for i in best if int(i) // LENGTH == head} for head in range(scores.shape[0])]
+        assert kept[layer] == expected, layer

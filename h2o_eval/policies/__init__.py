@@ -26,6 +26,7 @@ from h2o_eval.policies.base import (
     check_kernels,
     check_protocol,
 )
+from h2o_eval.policies.compactor import Compactor
 from h2o_eval.policies.criticalkv import CriticalKV
 from h2o_eval.policies.cur import CUR
 from h2o_eval.policies.expected_attention import ExpectedAttention
@@ -73,6 +74,7 @@ POLICIES: dict[str, type[Policy]] = {
         CUR,
         NonCausalAttention,
         Leverage,
+        Compactor,
     )  # fmt: skip
 }
 
