@@ -106,6 +106,9 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
         ("adakv", {"base": "compactor"}, 100, Plan(capacity=20, recent=4, sinks=8)),
         # 100 tokens: 5 chunks of 20, one kept; 1030 tokens: 52 chunks (the last of 10 tokens, inside SnapKV's
         # window of 64, so always kept): ceil(52 * 0.2) = 11 chunks, 10 * 20 + 10 tokens.
+        ("chunkkv", {}, 100, Plan(capacity=20, recent=0)),
+        ("chunkkv", {}, 1030, Plan(capacity=210, recent=0)),
+        ("chunkkv", {"base": "knorm"}, 1030, Plan(capacity=220, recent=0)),  # no protected end: full chunks
     ],
 )
 def test_plans(name, params, length, plan):
@@ -123,6 +126,9 @@ def test_plans(name, params, length, plan):
         ("non_causal_attention", {"chunk_size": 0}, r"chunk_size=0: use an integer >= 1$"),
         ("compactor", {"blending": -1}, r"^compactor: blending=-1: use a number >= 0$"),
         ("compactor", {"sink_size_end": -1}, r"sink_size_end=-1: use an integer >= 0$"),
+        ("chunkkv", {"chunk_length": 0}, r"^chunkkv: chunk_length=0: use an integer >= 1$"),
+        ("chunkkv", {"base": "adakv"}, r"^chunkkv: base='adakv' is a wrapper: chunkkv chooses by a scoring policy"),
+        ("chunkkv", {"base": "local"}, r"^chunkkv: base='local' ranks no tokens by score"),
     ],
 )
 def test_every_parameter_is_checked_in_one_line(name, params, message):
@@ -360,3 +366,42 @@ def test_adakv_over_compactor_keeps_what_kvpress_adakv_keeps(tiny, observed):
         best = scores.flatten().topk(2 * 20).indices
         expected = [{int(i) % LENGTH for i in best if int(i) // LENGTH == head} for head in range(scores.shape[0])]
         assert kept[layer] == expected, layer
+
+
+# ChunkKV over kvpress's SnapKV.
+
+
+def snapkv_reference(seen, window: int, kernel: int, group: int) -> torch.Tensor:
+    """[Hkv, T] kvpress's SnapKV scores: the last ``window`` rows' attention weights on the tokens before them,
+    averaged over the rows, average-pooled (``kernel``, zero padding counted), averaged over the group; the window
+    scores the largest + 1."""
+    weights = seen["weights"][:, -window:, :-window].double().mean(1)
+    pooled = torch.nn.functional.avg_pool1d(weights.unsqueeze(0), kernel, stride=1, padding=kernel // 2)[0]
+    scores = pooled.view(-1, group, LENGTH - window).mean(1)
+    return torch.cat([scores, torch.full((scores.shape[0], window), float(scores.max()) + 1)], -1)
+
+
+def test_chunkkv_keeps_the_best_whole_chunks_of_its_base(tiny, observed):
+    """40 tokens in 6 chunks of 7 (the last of 5, inside the window of 6 and kept): the 3 (int(6 * 0.5)) chunks of
+    largest mean of the SnapKV scores summed over the KV heads, the same tokens in every head: C = 2 * 7 + 5."""
+    model, _ = tiny
+    ids, layers = observed
+    policy = make_policy("chunkkv", 0.5, rounding="down", chunk_length=7, window=6, kernel_size=3, pooling="avg")
+    kept = compressed(model, policy, ids)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, seen in enumerate(layers):
+        summed = snapkv_reference(seen, 6, 3, group).sum(0)
+        means = torch.stack([summed[start : start + 7].mean() for start in range(0, LENGTH, 7)])
+        chunks = means.topk(3).indices.tolist()
+        assert 5 in chunks
+        expected = {j for c in chunks for j in range(7 * c, min(7 * c + 7, LENGTH))}
+        assert len(expected) == 19 and kept[layer] == [expected] * len(kept[layer]), layer
+
+
+def test_chunkkv_chooses_the_newest_of_tied_chunks_and_always_a_protected_shorter_last_one():
+    """Chunks of 4 at budget 0.5: of 4 full chunks (16 tokens) the best 2, the newest of the tied; of 14 tokens (the
+    last chunk of 2, inside the window of 4) the last chunk and the best 1 other, whatever the last one scores."""
+    policy = make_policy("chunkkv", 0.5, chunk_length=4, window=4)
+    assert policy.chosen(torch.tensor([3.0, 1.0, 3.0, 3.0]), 16).tolist() == [False, False, True, True]
+    assert policy.chosen(torch.tensor([5.0, 5.0, 1.0, 0.0]), 14).tolist() == [False, True, False, True]
+    assert policy.capacity(14) == 4 + 2

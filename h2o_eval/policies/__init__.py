@@ -26,6 +26,7 @@ from h2o_eval.policies.base import (
     check_kernels,
     check_protocol,
 )
+from h2o_eval.policies.chunkkv import ChunkKV
 from h2o_eval.policies.compactor import Compactor
 from h2o_eval.policies.criticalkv import CriticalKV
 from h2o_eval.policies.cur import CUR
@@ -75,6 +76,7 @@ POLICIES: dict[str, type[Policy]] = {
         NonCausalAttention,
         Leverage,
         Compactor,
+        ChunkKV,
     )  # fmt: skip
 }
 
