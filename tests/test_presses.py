@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import POLICIES, Plan
+from h2o_eval.policies.entropy_gated_chunkkv import gated_selection
 from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.leverage import gaussian_sketch
 
@@ -109,6 +110,7 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
         ("chunkkv", {}, 100, Plan(capacity=20, recent=0)),
         ("chunkkv", {}, 1030, Plan(capacity=210, recent=0)),
         ("chunkkv", {"base": "knorm"}, 1030, Plan(capacity=220, recent=0)),  # no protected end: full chunks
+        ("entropy_gated_chunkkv", {}, 1030, Plan(capacity=206, recent=0)),
     ],
 )
 def test_plans(name, params, length, plan):
@@ -129,6 +131,7 @@ def test_plans(name, params, length, plan):
         ("chunkkv", {"chunk_length": 0}, r"^chunkkv: chunk_length=0: use an integer >= 1$"),
         ("chunkkv", {"base": "adakv"}, r"^chunkkv: base='adakv' is a wrapper: chunkkv chooses by a scoring policy"),
         ("chunkkv", {"base": "local"}, r"^chunkkv: base='local' ranks no tokens by score"),
+        ("entropy_gated_chunkkv", {"low_entropy_chunk_length": 10}, r"use fewer than chunk_length=10$"),
     ],
 )
 def test_every_parameter_is_checked_in_one_line(name, params, message):
@@ -405,3 +408,30 @@ def test_chunkkv_chooses_the_newest_of_tied_chunks_and_always_a_protected_shorte
     assert policy.chosen(torch.tensor([3.0, 1.0, 3.0, 3.0]), 16).tolist() == [False, False, True, True]
     assert policy.chosen(torch.tensor([5.0, 5.0, 1.0, 0.0]), 14).tolist() == [False, True, False, True]
     assert policy.capacity(14) == 4 + 2
+
+
+# Entropy-gated ChunkKV.
+
+
+def test_entropy_gated_selection_keeps_spiky_chunks_best_tokens_and_tops_up():
+    """Chunks of 4: A = 1.2 x4 (mean 1.2, uniform), B = 3, .6, .3, .1 (mean 1, spiky), C = .6, .5, .4, .3 (mean
+    .45). A and B have at least the median mean, B alone is below the median entropy (C's): A whole, B's best 2,
+    then C whole, and the 11th token is the best one left (B's .3)."""
+    scores = torch.tensor([1.2] * 4 + [3.0, 0.6, 0.3, 0.1] + [0.6, 0.5, 0.4, 0.3])
+    assert gated_selection(scores, 4, 2, 6).nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    assert gated_selection(scores, 4, 2, 9).nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 8, 9, 10]
+    assert gated_selection(scores, 4, 2, 11).nonzero().flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+
+
+def test_entropy_gated_chunkkv_keeps_the_selection_of_its_bases_scores(tiny, observed):
+    """Reference: kvpress's SnapKV scores (above) summed over the KV heads, through the gated selection of
+    C = 20 tokens in chunks of 5 (spiky chunks keeping 2): every head keeps those 20."""
+    model, _ = tiny
+    ids, layers = observed
+    policy = make_policy("entropy_gated_chunkkv", 0.5, chunk_length=5, low_entropy_chunk_length=2, window=6,
+                         kernel_size=3, pooling="avg")  # fmt: skip
+    kept = compressed(model, policy, ids)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, seen in enumerate(layers):
+        selected = gated_selection(snapkv_reference(seen, 6, 3, group).sum(0).float(), 5, 2, 20)
+        assert kept[layer] == [set(selected.nonzero().flatten().tolist())] * len(kept[layer]), layer

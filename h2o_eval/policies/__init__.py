@@ -30,6 +30,7 @@ from h2o_eval.policies.chunkkv import ChunkKV
 from h2o_eval.policies.compactor import Compactor
 from h2o_eval.policies.criticalkv import CriticalKV
 from h2o_eval.policies.cur import CUR
+from h2o_eval.policies.entropy_gated_chunkkv import EntropyGatedChunkKV
 from h2o_eval.policies.expected_attention import ExpectedAttention
 from h2o_eval.policies.full import Full
 from h2o_eval.policies.h2o import H2O, Heavy
@@ -77,6 +78,7 @@ POLICIES: dict[str, type[Policy]] = {
         Leverage,
         Compactor,
         ChunkKV,
+        EntropyGatedChunkKV,
     )  # fmt: skip
 }
 
