@@ -111,6 +111,8 @@ def scores_of(policy, prompt, votes=None) -> torch.Tensor:
         ("chunkkv", {}, 1030, Plan(capacity=210, recent=0)),
         ("chunkkv", {"base": "knorm"}, 1030, Plan(capacity=220, recent=0)),  # no protected end: full chunks
         ("entropy_gated_chunkkv", {}, 1030, Plan(capacity=206, recent=0)),
+        ("finch", {}, 1000, Plan(capacity=200, recent=64)),
+        ("finch", {"window": 8}, 100, Plan(capacity=20, recent=8)),
     ],
 )
 def test_plans(name, params, length, plan):
@@ -132,6 +134,8 @@ def test_plans(name, params, length, plan):
         ("chunkkv", {"base": "adakv"}, r"^chunkkv: base='adakv' is a wrapper: chunkkv chooses by a scoring policy"),
         ("chunkkv", {"base": "local"}, r"^chunkkv: base='local' ranks no tokens by score"),
         ("entropy_gated_chunkkv", {"low_entropy_chunk_length": 10}, r"use fewer than chunk_length=10$"),
+        ("finch", {"window": 0}, r"^finch: window=0: use an integer >= 1$"),
+        ("finch", {"normalize_scores": "yes"}, r"^finch: normalize_scores='yes': use true or false$"),
     ],
 )
 def test_every_parameter_is_checked_in_one_line(name, params, message):
@@ -435,3 +439,34 @@ def test_entropy_gated_chunkkv_keeps_the_selection_of_its_bases_scores(tiny, obs
     for layer, seen in enumerate(layers):
         selected = gated_selection(snapkv_reference(seen, 6, 3, group).sum(0).float(), 5, 2, 20)
         assert kept[layer] == [set(selected.nonzero().flatten().tolist())] * len(kept[layer]), layer
+
+
+# FINCH.
+
+
+@pytest.mark.parametrize(("normalize", "voted"), [(True, 17 / 24), (False, 7 / 24)])
+def test_finch_weights_each_window_query_by_its_token_index(normalize, voted):
+    """Four tokens, a window of 2, queries of zeros: token 2 attends 1/3 to each of tokens 0-2 and token 3 1/4 to
+    each of tokens 0-3; weighted by their indices 2 and 3, tokens 0 and 1 score (2/3 + 3/4) / 2, else (1/3 + 1/4)
+    / 2; the window scores nothing of its own (it is kept)."""
+    prompt = hand_prompt(torch.randn(1, 4, 2, generator=torch.Generator().manual_seed(6)), query=torch.zeros(1, 4, 2))
+    scores = scores_of(make_policy("finch", 0.5, window=2, normalize_scores=normalize), prompt)
+    torch.testing.assert_close(scores[0, 0], torch.tensor([voted, voted, 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_finch_keeps_its_window_and_the_best_position_weighted_votes(tiny, observed, normalize):
+    """Reference: the eager attention weights of the last 5 rows on the 35 tokens before them, row i times its
+    index i (``normalize_scores``), averaged over the rows and the KV head's query heads; the window and the best
+    15 others are kept."""
+    model, _ = tiny
+    ids, layers = observed
+    kept = compressed(model, make_policy("finch", 0.5, window=5, normalize_scores=normalize), ids)
+    group = model.config.num_attention_heads // model.config.num_key_value_heads
+    for layer, seen in enumerate(layers):
+        weights = seen["weights"][:, -5:, :-5].double()
+        if normalize:
+            weights = weights * torch.arange(35, 40).view(1, -1, 1)
+        scores = weights.mean(1).view(-1, group, 35).mean(1)
+        for head in range(scores.shape[0]):
+            assert kept[layer][head] == top(scores[head], 15, set()) | set(range(35, 40)), (layer, head)

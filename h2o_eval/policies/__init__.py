@@ -32,6 +32,7 @@ from h2o_eval.policies.criticalkv import CriticalKV
 from h2o_eval.policies.cur import CUR
 from h2o_eval.policies.entropy_gated_chunkkv import EntropyGatedChunkKV
 from h2o_eval.policies.expected_attention import ExpectedAttention
+from h2o_eval.policies.finch import Finch
 from h2o_eval.policies.full import Full
 from h2o_eval.policies.h2o import H2O, Heavy
 from h2o_eval.policies.h2o_reference import H2OReference
@@ -79,6 +80,7 @@ POLICIES: dict[str, type[Policy]] = {
         Compactor,
         ChunkKV,
         EntropyGatedChunkKV,
+        Finch,
     )  # fmt: skip
 }
 
