@@ -1,0 +1,406 @@
+"""The policies that reproduce kvpress presses, against kvpress 0.5.5 itself: the same prompts through both, the
+same greedy tokens and logits, and the same KV pairs kept in every layer and KV head.
+
+    pip install --no-deps --target KVPRESS kvpress==0.5.5 transformers==5.2.0 tokenizers==0.22.2 \\
+        cachetools==5.5.2 termcolor==3.3.0 "huggingface_hub>=1.3,<2"
+    pip wheel --no-deps fire==0.6.0 -w /tmp/fire && pip install --no-deps --target KVPRESS /tmp/fire/fire-*.whl
+    python -m h2o_eval.benchmarks.kvpress_compare --kvpress KVPRESS --data-dir ../shared/data \\
+        [--presses observed_attention,lagkv,...] [--ratios 0.25 0.75] [--tasks niah_single_2 vt qa_1] \\
+        [--length 1024] [--new-tokens 16] [--model smollm2-135m]
+
+The prompts are RULER documents (``--tasks`` at ``--length`` tokens, generated offline by ``h2o_eval.ruler``),
+worded as kvpress's pipeline words them: the context in the chat template's user turn; the question, the end of the
+turn and the answer prefix after it (the context, the question and the rest tokenized apart). kvpress runs in a
+subprocess whose path holds ``KVPRESS`` and a stub of ``datasets`` (kvpress imports ``load_dataset`` for
+DuoAttention only); torch comes from this environment, the model from the folder h2o_eval converted SmolLM2 into. It
+does what its pipeline does: the press's forward hooks on a prefill of the context into a ``DynamicCache``, then the
+question and greedy steps with ``position_ids`` continuing from the context's length. Query-agnostic presses
+compress the context (h2o_eval's ``protocol=context``); kvpress's query-aware ones (``chunkkv``,
+``entropy_gated_chunkkv``, ``finch``: its leaderboard's ``--query_aware``) compress context and question together
+(``protocol=prefill``). h2o_eval runs the same token ids through ``EvictionCache`` with ``rounding=down`` (kvpress
+keeps int(T (1 - ratio)) tokens) and ``decoding=grow`` (its presses act once). kvpress draws its random sketches
+after ``torch.manual_seed(42)`` before every press, the policies' default seed.
+
+Per press, prompt and compression ratio it prints T (the compressed tokens), C (the tokens h2o_eval keeps per KV
+head, averaged), how many (layer, KV head) pairs keep exactly the tokens kvpress keeps (kvpress's kept keys found
+among its full cache's keys; AdaKV's from its masked indices), whether the greedy tokens are equal and the largest
+logit difference over the steps both sides reached with the same tokens. Where scores tie exactly, ``torch.topk``
+picks among the tied tokens in its own order and h2o_eval keeps the newest: ``lagkv``'s ranks tie across
+partitions by design; ``leverage``, ``cur`` and ``non_causal_attention`` give equal scores to repeated tokens in
+the first layer (their keys before rotary embedding, or their norms, are equal) and to tokens no query of their
+chunk attends to. Their rows are repeated with kvpress's ``topk`` breaking ties towards the newest token (``ties``:
+``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot express:
+it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed as
+such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEED = 42  # kvpress's evaluation seed, and the default seed of the policies with random sketches
+DELIMITER = -1  # where kvpress's FINCH delimiter token goes in a prompt (its id exists only on the kvpress side)
+
+
+@dataclasses.dataclass(frozen=True)
+class Press:
+    """One kvpress press and the h2o_eval policy that reproduces it."""
+
+    policy: str
+    params: dict[str, Any]
+    kvpress: Callable[[Any, float], Any]  # (the kvpress module, compression ratio) -> the press
+    query_aware: bool = False
+    eager: bool = False  # kvpress reads eager attention weights
+    delimiter: bool = False  # FINCH: a delimiter token between context and question; the window is the question
+    rerotated: bool = False  # the question's positions continue from the compressed length (key re-rotation)
+    ties: bool = False  # also run kvpress with ties broken towards the newest token
+
+
+PRESSES: dict[str, Press] = {
+    "observed_attention": Press(
+        "observed_attention", {}, lambda kv, r: kv.ObservedAttentionPress(compression_ratio=r), eager=True
+    ),
+    "lagkv": Press("lagkv", {}, lambda kv, r: kv.LagKVPress(compression_ratio=r), ties=True),
+    "cur": Press("cur", {}, lambda kv, r: kv.CURPress(compression_ratio=r), ties=True),
+    "non_causal_attention": Press(
+        "non_causal_attention", {}, lambda kv, r: kv.NonCausalAttnPress(compression_ratio=r), ties=True
+    ),
+    "leverage": Press("leverage", {}, lambda kv, r: kv.LeverageScorePress(compression_ratio=r), ties=True),
+    "compactor": Press("compactor", {}, lambda kv, r: kv.CompactorPress(compression_ratio=r)),
+    "adakv_compactor": Press(
+        "adakv", {"base": "compactor"}, lambda kv, r: kv.AdaKVPress(kv.CompactorPress(compression_ratio=r))
+    ),
+    "chunkkv": Press(
+        "chunkkv", {}, lambda kv, r: kv.ChunkKVPress(press=kv.SnapKVPress(compression_ratio=r), chunk_length=20),
+        query_aware=True,
+    ),
+    "entropy_gated_chunkkv": Press(
+        "entropy_gated_chunkkv", {},
+        lambda kv, r: kv.EntropyGatedChunkKVPress(press=kv.SnapKVPress(compression_ratio=r)), query_aware=True,
+    ),
+    "finch": Press(
+        "finch", {}, lambda kv, r: kv.FinchPress(compression_ratio=r, rerotate_keys=False), query_aware=True,
+        delimiter=True,
+    ),
+    "finch_rerotated": Press(
+        "finch", {}, lambda kv, r: kv.FinchPress(compression_ratio=r), query_aware=True, delimiter=True,
+        rerotated=True,
+    ),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One press on one prompt at one compression ratio: ``compressed`` is fed with the press (DELIMITER marks
+    FINCH's delimiter), ``asked`` after it."""
+
+    press: str
+    prompt: str
+    ratio: float
+    compressed: list[int]
+    asked: list[int]
+    ties: str = "topk"  # how kvpress breaks ties: torch.topk's order, or towards the newest token
+
+    @property
+    def context(self) -> list[int]:
+        """The compressed tokens as the model sees them (without the delimiter)."""
+        return [token for token in self.compressed if token != DELIMITER]
+
+    @property
+    def window(self) -> int:
+        """The tokens after the delimiter (FINCH's window), else 0."""
+        return len(self.compressed) - 1 - self.compressed.index(DELIMITER) if DELIMITER in self.compressed else 0
+
+
+def ruler_prompts(tokenizer: Any, data_dir: Path, tasks: list[str], length: int) -> dict[str, dict[str, list[int]]]:
+    """Per RULER task its first document as token ids, worded as kvpress's pipeline words it: ``context`` (the
+    chat template up to the end of the context), ``question``, and ``suffix`` (the end of the user turn, the
+    assistant header and the answer prefix)."""
+    from omegaconf import OmegaConf
+
+    import h2o_eval
+    from h2o_eval import ruler
+
+    found = {}
+    for name in tasks:
+        task = OmegaConf.to_container(OmegaConf.load(Path(h2o_eval.__file__).parent / "conf" / "task" / f"{name}.yaml"))
+        task["length"] = length
+        [document] = ruler.generate(task, count_tokens=ruler.fit_counter(task, tokenizer), data_dir=data_dir, limit=1)
+        asked = document["questions"][0]
+        separator = "#" * (len(document["context"]) + 10)
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": document["context"] + separator}], add_generation_prompt=True, tokenize=False
+        )
+        context, suffix = rendered.split(separator)
+        found[name] = {
+            "context": tokenizer.encode(context, add_special_tokens=False),
+            "question": tokenizer.encode(asked["question"], add_special_tokens=False),
+            "suffix": tokenizer.encode(suffix + asked["answer_prefix"], add_special_tokens=False),
+        }
+    return found
+
+
+def cases(prompts: dict[str, dict[str, list[int]]], presses: list[str], ratios: list[float]) -> list[Case]:
+    """Every press on every prompt at every ratio (those whose scores tie again, with ties towards the newest)."""
+    found = []
+    for name in presses:
+        press = PRESSES[name]
+        for prompt, parts in prompts.items():
+            if not press.query_aware:
+                compressed, asked = parts["context"], parts["question"] + parts["suffix"]
+            elif press.delimiter:
+                compressed, asked = parts["context"] + [DELIMITER] + parts["question"], parts["suffix"]
+            else:
+                compressed, asked = parts["context"] + parts["question"], parts["suffix"]
+            for ratio in ratios:
+                for ties in ("topk", "newest") if press.ties else ("topk",):
+                    found.append(Case(name, prompt, ratio, compressed, asked, ties))
+    return found
+
+
+def greedy(step: Callable[[list[int], list[int]], torch.Tensor], case: Case, start: int, new_tokens: int, stop: int):
+    """kvpress's ``generate_answer``: the question at positions from ``start``, then greedy tokens one at a time;
+    ``step(ids, positions)`` returns the last row's logits. Returns (tokens, logits per token)."""
+    logits = [step(case.asked, list(range(start, start + len(case.asked))))]
+    tokens = [int(logits[-1].argmax())]
+    position = start + len(case.asked)
+    while len(tokens) < new_tokens and tokens[-1] != stop:
+        logits.append(step(tokens[-1:], [position]))
+        tokens.append(int(logits[-1].argmax()))
+        position += 1
+    return tokens, torch.stack(logits)
+
+
+@torch.no_grad()
+def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[str, Any]:
+    """The case through h2o_eval's public API: its policy at budget 1 - ratio, ``rounding=down``, as an
+    ``EvictionCache`` with ``decoding=grow``; the kept positions of every (layer, KV head), the greedy tokens and
+    their logits."""
+    from h2o_eval import EvictionCache, make_policy
+
+    press = PRESSES[case.press]
+    params = dict(press.params, **({"window": case.window} if press.delimiter else {}))
+    policy = make_policy(press.policy, 1 - case.ratio, rounding="down", **params)
+    protocol = "prefill" if press.query_aware else "context"
+    cache = EvictionCache(model, policy, protocol=protocol, decoding="grow")
+    model(torch.tensor([case.context]), cache=cache, use_cache=True)
+    kept = [
+        [sorted(layer.position[0, head][layer.held[0, head]].tolist()) for head in range(layer.held.shape[1])]
+        for layer in cache.layers
+    ]
+
+    def step(ids: list[int], positions: list[int]) -> torch.Tensor:
+        out = model(torch.tensor([ids]), cache=cache, position_ids=torch.tensor([positions]), use_cache=True)
+        return out.logits[0, -1].float()
+
+    tokens, logits = greedy(step, case, len(case.compressed), new_tokens, stop)
+    return {"kept": kept, "tokens": tokens, "logits": logits}
+
+
+def kvpress_side(folder: str, jobs: list[Case], new_tokens: int, stop: int) -> list[dict[str, Any]]:
+    """In the kvpress process: each case as kvpress's pipeline runs it (the press's hooks on the context's
+    prefill, then :func:`greedy`)."""
+    import kvpress
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    models = {}
+
+    def load(case: Case) -> Any:
+        press = PRESSES[case.press]
+        kind = ("eager" if press.eager else "sdpa", press.delimiter)
+        if kind not in models:
+            model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=kind[0]).eval()
+            if press.delimiter:
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+                press.kvpress(kvpress, 0.5).update_model_and_tokenizer(model, tokenizer)
+                model.delimiter_id = tokenizer.convert_tokens_to_ids("<|finch_sep|>")
+            models[kind] = model
+        return models[kind]
+
+    full_keys: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+    results = []
+    for case in jobs:
+        print(f"kvpress: {case.press} {case.prompt} {case.ratio} {case.ties}", file=sys.stderr, flush=True)
+        model = load(case)
+        key = (tuple(case.context), model.config._attn_implementation)
+        if key not in full_keys:
+            with torch.no_grad():
+                cache = DynamicCache()
+                model.model(input_ids=torch.tensor([case.context]), past_key_values=cache)
+            full_keys[key] = [layer.keys[0] for layer in cache.layers]
+        try:
+            results.append(_kvpress_case(kvpress, model, case, full_keys[key], new_tokens, stop))
+        except RuntimeError as error:  # kvpress's own failure, reported in the table
+            results.append({"error": f"{type(error).__name__}: {error}"})
+    return results
+
+
+def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor], new_tokens: int, stop: int):
+    """One case through kvpress: the press's hooks on the prefill, the kept positions, then :func:`greedy`."""
+    from transformers import DynamicCache
+
+    press = PRESSES[case.press].kvpress(kvpress, case.ratio)
+    if PRESSES[case.press].delimiter:  # what update_model_and_tokenizer sets, the model being extended already
+        press.delimiter_token, press.delimiter_token_id = "<|finch_sep|>", model.delimiter_id
+    ids = [model.delimiter_id if token == DELIMITER else token for token in case.compressed]
+    torch.manual_seed(SEED)
+    cache = DynamicCache()
+    with torch.no_grad(), _ties(case.ties), press(model):
+        model.model(input_ids=torch.tensor([ids]), past_key_values=cache)
+    kept = _kept(model, cache, full) if not PRESSES[case.press].rerotated else None
+    start = cache.get_seq_length() if PRESSES[case.press].rerotated else len(case.compressed)
+
+    def step(ids: list[int], positions: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            out = model(
+                input_ids=torch.tensor([ids]), past_key_values=cache, position_ids=torch.tensor([positions]),
+                logits_to_keep=1,
+            )  # fmt: skip
+        return out.logits[0, -1].float()
+
+    tokens, logits = greedy(step, case, start, new_tokens, stop)
+    return {"kept": kept, "tokens": tokens, "logits": logits}
+
+
+def _kept(model: Any, cache: Any, full: list[torch.Tensor]) -> list[list[list[int]]]:
+    """Per layer and KV head the positions kvpress kept: its kept keys found, bit for bit, among its full cache's
+    keys, less AdaKV's masked keys."""
+    kept = []
+    for index, (layer, keys) in enumerate(zip(cache.layers, full, strict=True)):
+        masked = getattr(model.model.layers[index].self_attn, "masked_key_indices", None)
+        heads = []
+        for head in range(keys.shape[0]):
+            where = {row.numpy().tobytes(): position for position, row in enumerate(keys[head])}
+            found = {where[row.numpy().tobytes()] for row in layer.keys[0, head]}
+            if masked is not None:
+                found -= set(masked[2][masked[1] == head].tolist())
+            heads.append(sorted(found))
+        kept.append(heads)
+    return kept
+
+
+class _ties:
+    """Within the block, ``torch.topk`` (function and method) breaks ties towards the largest index, as h2o_eval
+    keeps the newest of tied tokens; ``topk``: as it is."""
+
+    def __init__(self, ties: str) -> None:
+        self.ties = ties
+
+    def __enter__(self) -> None:
+        self.saved = (torch.topk, torch.Tensor.topk)
+        if self.ties == "newest":
+            torch.topk = torch.Tensor.topk = _newest_topk
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.topk, torch.Tensor.topk = self.saved
+
+
+def _newest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+    ranked = self if largest else -self
+    flipped = ranked.flip(dim)
+    order = torch.argsort(flipped, dim=dim, descending=True, stable=True).narrow(dim, 0, k)
+    indices = self.shape[dim] - 1 - order
+    return torch.return_types.topk((self.gather(dim, indices), indices))
+
+
+def compare(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, bool, float]:
+    """(layer-head pairs keeping the same tokens, tokens equal, the largest logit difference over the steps both
+    sides reached with the same tokens)."""
+    if theirs["kept"] is None:
+        heads = "n/a"
+    else:
+        pairs = [
+            (a, b) for la, lb in zip(mine["kept"], theirs["kept"], strict=True) for a, b in zip(la, lb, strict=True)
+        ]
+        heads = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    same = 0
+    while same < min(len(mine["tokens"]), len(theirs["tokens"])) and mine["tokens"][same] == theirs["tokens"][same]:
+        same += 1
+    steps = min(same + 1, len(mine["logits"]), len(theirs["logits"]))
+    vocabulary = mine["logits"].shape[-1]
+    difference = (mine["logits"][:steps] - theirs["logits"][:steps, :vocabulary]).abs().max()
+    return heads, mine["tokens"] == theirs["tokens"], float(difference)
+
+
+def run_kvpress(folder: Path, model_folder: str, jobs: list[Case], new_tokens: int, stop: int) -> list[dict[str, Any]]:
+    """:func:`kvpress_side` in a subprocess whose path holds ``folder`` and a stub of ``datasets``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        stub = Path(scratch) / "stub" / "datasets"
+        stub.mkdir(parents=True)
+        (stub / "__init__.py").write_text("def load_dataset(*args, **kwargs):\n    raise RuntimeError('no hub')\n")
+        job, out = Path(scratch) / "job.json", Path(scratch) / "out.pt"
+        job.write_text(json.dumps({"folder": model_folder, "new_tokens": new_tokens, "stop": stop,
+                                   "cases": [dataclasses.asdict(case) for case in jobs]}))  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=f"{folder}{os.pathsep}{stub.parent}", TRANSFORMERS_VERBOSITY="error",
+                   HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")  # fmt: skip
+        subprocess.run([sys.executable, __file__, "--serve", str(job), str(out)], env=env, check=True)
+        return torch.load(out)
+
+
+def model_folder(name: str) -> str:
+    """The folder kvpress loads the model from: a local path as it is, or the converted SmolLM2 h2o_eval caches."""
+    if Path(name).is_dir():
+        return name
+    from h2o_eval import models
+
+    if name != "smollm2-135m":
+        raise SystemExit(f"--model {name}: kvpress loads a local folder; give one, or smollm2-135m")
+    return str(models.cache_dir() / "models" / models.smollm2_gguf().stem)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kvpress", type=Path, help="the folder kvpress 0.5.5 and its transformers are installed in")
+    parser.add_argument("--data-dir", type=Path)
+    parser.add_argument("--presses", default=",".join(PRESSES), help=f"comma-separated, of {', '.join(PRESSES)}")
+    parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.75])
+    parser.add_argument("--tasks", nargs="+", default=["niah_single_2", "vt", "qa_1"])
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--serve", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        job = json.loads(Path(args.serve[0]).read_text())
+        jobs = [Case(**case) for case in job["cases"]]
+        torch.save(kvpress_side(job["folder"], jobs, job["new_tokens"], job["stop"]), args.serve[1])
+        return
+    if args.kvpress is None or args.data_dir is None:
+        parser.error("--kvpress and --data-dir are required")
+    unknown = set(args.presses.split(",")) - set(PRESSES)
+    if unknown:
+        parser.error(f"unknown presses {', '.join(sorted(unknown))}: use {', '.join(PRESSES)}")
+
+    from h2o_eval import load_model
+
+    model, tokenizer = load_model(args.model, device="cpu")
+    jobs = cases(ruler_prompts(tokenizer, args.data_dir, args.tasks, args.length), args.presses.split(","), args.ratios)
+    theirs = run_kvpress(args.kvpress, model_folder(args.model), jobs, args.new_tokens, tokenizer.eos_token_id)
+    print(f"{args.model}, kvpress 0.5.5, RULER at {args.length} tokens, {args.new_tokens} greedy tokens")
+    print("| press | prompt | ratio | ties | T | C | heads equal | tokens equal | max logit diff |")
+    print("|---|---|---:|---|---:|---:|---:|---|---:|")
+    for case, kvpress_result in zip(jobs, theirs, strict=True):
+        mine = h2o_eval_side(model, case, args.new_tokens, tokenizer.eos_token_id)
+        held = sum(len(head) for layer in mine["kept"] for head in layer) / sum(len(layer) for layer in mine["kept"])
+        if "error" in kvpress_result:
+            print(f"| {case.press} | {case.prompt} | {case.ratio} | {case.ties} | {len(case.context)} | {held:g} | "
+                  f"kvpress fails: {kvpress_result['error'][:80]} | | |", flush=True)  # fmt: skip
+            continue
+        heads, equal, difference = compare(mine, kvpress_result)
+        print(f"| {case.press} | {case.prompt} | {case.ratio} | {case.ties} | {len(case.context)} | {held:g} | "
+              f"{heads} | {equal} | {difference:.2e} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

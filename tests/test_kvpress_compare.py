@@ -1,0 +1,62 @@
+"""``kvpress_compare``: its h2o_eval side runs every press on a tiny model through the public API and keeps
+kvpress's int(T (1 - ratio)) tokens; the prompts are worded per press as kvpress's pipeline feeds them; the
+comparison counts what differs. kvpress itself is not installed here: the script is run by hand (its table is in
+docs/policies.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_eval import load_model
+from h2o_eval.benchmarks.kvpress_compare import DELIMITER, PRESSES, _newest_topk, cases, compare, h2o_eval_side
+
+PROMPT = {"context": list(range(100, 160)), "question": list(range(200, 206)), "suffix": [300, 301]}
+
+
+def test_prompts_are_cut_where_kvpress_compresses_them():
+    """Query-agnostic presses compress the context; query-aware ones the question too; FINCH's delimiter sits
+    before the question, whose length is the window; presses whose scores tie run again with ties towards the
+    newest."""
+    made = {(case.press, case.ties): case for case in cases({"p": PROMPT}, list(PRESSES), [0.5])}
+    context, question, suffix = PROMPT["context"], PROMPT["question"], PROMPT["suffix"]
+    assert (made["cur", "topk"].compressed, made["cur", "topk"].asked) == (context, question + suffix)
+    assert (made["chunkkv", "topk"].compressed, made["chunkkv", "topk"].asked) == (context + question, suffix)
+    finch = made["finch", "topk"]
+    assert finch.compressed == context + [DELIMITER] + question and finch.context == context + question
+    assert finch.window == 6 and made["cur", "topk"].window == 0
+    assert ("lagkv", "newest") in made and ("compactor", "newest") not in made
+
+
+def test_every_press_runs_on_a_tiny_model_at_kvpress_kept_count():
+    model, _ = load_model("tiny-llama", device="cpu")
+    vocabulary = model.config.vocab_size
+    for case in cases({"p": PROMPT}, list(PRESSES), [0.25]):
+        if case.ties != "topk":
+            continue
+        found = h2o_eval_side(model, case, 3, stop=-1)
+        held = [len(head) for layer in found["kept"] for head in layer]
+        tokens = len(case.context)
+        if case.press == "chunkkv":  # 4 chunks of 20 (the last of 6, in SnapKV's window): int(4 * 0.75) = 3
+            assert held == [2 * 20 + 6] * len(held)
+        elif case.press == "adakv_compactor":  # heads share the layer's slots
+            assert sum(held) == int(tokens * 0.75) * len(held)
+        else:
+            assert held == [int(tokens * 0.75)] * len(held), case.press
+        assert len(found["tokens"]) == 3 and found["logits"].shape == (3, vocabulary), case.press
+
+
+def test_the_comparison_counts_heads_tokens_and_logits_up_to_the_first_different_token():
+    mine = {"kept": [[[0, 1], [2]]], "tokens": [5, 6, 7], "logits": torch.tensor([[0.0, 1.0], [2.0, 3.0], [9.0, 9.0]])}
+    theirs = {
+        "kept": [[[0, 1], [3]]],
+        "tokens": [5, 8, 7],
+        "logits": torch.tensor([[0.0, 1.5, 4], [2.0, 3.25, 4], [0, 0, 4]]),
+    }
+    assert compare(mine, theirs) == ("1/2", False, 0.5)  # the third step followed other tokens: not compared
+    assert compare(mine, {**theirs, "kept": None})[0] == "n/a"
+
+
+def test_kvpress_ties_can_be_broken_towards_the_newest_token():
+    scores = torch.tensor([[1.0, 3.0, 1.0, 3.0, 1.0]])
+    assert _newest_topk(scores, 3).indices.tolist() == [[3, 1, 4]]
+    assert _newest_topk(-scores, 2, largest=False).indices.tolist() == [[3, 1]]
