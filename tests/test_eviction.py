@@ -9,10 +9,11 @@ import torch
 from conftest import RULES, fast_sample, make_chunk
 
 from h2o_eval.chunks import attend_chunk
-from h2o_eval.compression import compress, pool_scores
+from h2o_eval.compression import compress
 from h2o_eval.eviction import Chunk, attend_chunk_reference
 from h2o_eval.policies import UNBOUNDED, Rule
 from h2o_eval.policies.h2o_reference import reference_keep_mask
+from h2o_eval.policies.pooling import pool_scores
 
 HEADS = [(4, 4), (6, 2), (8, 2)]  # (query heads, KV heads): GQA ratios 1, 3, 4
 GRID = [

@@ -75,7 +75,7 @@ def test_every_plan_leaves_room_for_an_eviction_candidate():
 
 
 def test_unknown_policy_lists_the_valid_names():
-    with pytest.raises(ConfigError, match=r"unknown policy 'lru': use one of adakv, criticalkv, expected_attention"):
+    with pytest.raises(ConfigError, match=r"unknown policy 'lru': use one of adakv, chunkkv, compactor, criticalkv"):
         make_policy("lru")
 
 
@@ -211,7 +211,7 @@ def test_key_norm_scores_are_the_negative_l2_norms():
         ("adakv", {"alpha": 2}, r"alpha=2: use a number in \[0, 1\]$"),
         ("adakv", {"base": "local"}, r"base='local' ranks no tokens by score .*: use a scoring policy such as snapkv"),
         ("adakv", {"base": "h2o_reference"}, r"base='h2o_reference' computes its own attention and holds no cache"),
-        ("adakv", {"base": "nope"}, r"base='nope': use one of criticalkv, expected_attention, h2o, heavy, keydiff"),
+        ("adakv", {"base": "nope"}, r"base='nope': use one of chunkkv, compactor, criticalkv, cur"),
         ("criticalkv", {"base": "local"}, r"^criticalkv: base='local' ranks no tokens by score"),
         ("criticalkv", {"first_stage_ratio": 2}, r"first_stage_ratio=2: use a number in \[0, 1\]$"),
         ("expected_attention", {"use_vnorm": "yes"}, r"^expected_attention: use_vnorm='yes': use true or false$"),

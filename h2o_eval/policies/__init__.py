@@ -30,7 +30,7 @@ from h2o_eval.policies.base import (
 from h2o_eval.policies.full import Full
 from h2o_eval.policies.wrapper import Wrapper
 
-NOT_POLICIES = ("base", "inputs", "wrapper")  # the package's modules that define no policy
+NOT_POLICIES = ("base", "inputs", "pooling", "sequences", "wrapper")  # the package's modules that define no policy
 
 
 def _discovered() -> dict[str, type[Policy]]:

@@ -9,6 +9,7 @@ import torch
 
 from h2o_eval.policies.base import Plan, Policy, Rule, Votes, check_number
 from h2o_eval.policies.inputs import Prompt
+from h2o_eval.policies.pooling import pool_scores
 from h2o_eval.policies.wrapper import Wrapper
 
 
@@ -18,8 +19,6 @@ def press_scores(base: Policy, prompt: Prompt, scores: torch.Tensor) -> torch.Te
     by the base's own scorer, window votes averaged (kvpress's SnapKV means them) and the base's protected tokens
     (its recent window and sinks for a prompt of that length) scored the largest other score + 1, as kvpress's
     SnapKV pads its window. Padding columns score 0."""
-    from h2o_eval.eviction import pool_scores  # the mechanism's pooling (which imports the policies)
-
     real = prompt.real
     lengths = real.sum(-1)
     plans = [base.plan(int(length)) for length in lengths.tolist()]
