@@ -43,7 +43,7 @@ def gaussian_sketch(seed: int, layer: int, shape: tuple[int, ...], dtype: torch.
     presses draw once per layer, layer after layer, from the global generator)."""
     generator = torch.Generator().manual_seed(seed)
     for _ in range(layer + 1):
-        drawn = torch.randn(shape, generator=generator, dtype=dtype)
+        drawn = torch.randn(shape, generator=generator, dtype=dtype, device="cpu")  # the CPU generator's draw
     return drawn
 
 
