@@ -27,6 +27,7 @@ import torch
 from h2o_eval.errors import ConfigError
 
 PROMPT, CONTEXT, NEW_TOKENS, BUDGET = 96, 80, 12, 0.5
+PROTOCOLS, DECODINGS = ("prefill", "context"), ("evict", "grow")
 
 
 def held_positions(cache: Any) -> list[torch.Tensor]:
@@ -97,7 +98,14 @@ def verdict(runs: dict[str, tuple[torch.Tensor, Any]], plain: torch.Tensor | Non
     return ok, line
 
 
-def check(models: Sequence[str], dtypes: Sequence[str], device: str, policies: Sequence[str] | None = None) -> int:
+def check(
+    models: Sequence[str],
+    dtypes: Sequence[str],
+    device: str,
+    policies: Sequence[str] | None = None,
+    protocols: Sequence[str] = PROTOCOLS,
+    decodings: Sequence[str] = DECODINGS,
+) -> int:
     """Print one line per case; returns the number of float32 failures."""
     from h2o_eval.generation import greedy
     from h2o_eval.models import load_model
@@ -117,8 +125,8 @@ def check(models: Sequence[str], dtypes: Sequence[str], device: str, policies: S
                 settings = greedy(NEW_TOKENS, tokenizer.pad_token_id)
                 plain = model.generate(input_ids=ids, attention_mask=mask, **settings)
             strict = dtype == "float32"
-            for protocol in ("prefill", "context"):
-                for decoding in ("evict", "grow"):
+            for protocol in protocols:
+                for decoding in decodings:
                     for name in names:
                         case = f"{model_name} {dtype} {protocol} {decoding} {name}"
                         try:
@@ -141,12 +149,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", default=["tiny-llama3", "tiny-gemma3"])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--policies", nargs="+", help="default: every policy that holds a cache")
+    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    parser.add_argument("--decodings", nargs="+", choices=DECODINGS, default=list(DECODINGS))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # cpu: tests
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "error: the GPU check needs a CUDA device (off one: pytest tests/test_kernels.py)\n")
     try:
-        failures = check(args.models, args.dtypes, args.device, args.policies)
+        failures = check(args.models, args.dtypes, args.device, args.policies, args.protocols, args.decodings)
     except ConfigError as error:
         parser.exit(2, f"error: {error}\n")
     print(f"gpu_check: {failures} float32 case(s) differ (kernels=torch against triton, or graphs against eager)")
