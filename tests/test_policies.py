@@ -228,3 +228,17 @@ def test_every_policy_parameter_is_checked_in_one_line(name, params, message):
     params = dict(params)
     with pytest.raises(ConfigError, match=message):
         make_policy(name, budget=params.pop("budget", 0.2), **params)
+
+
+def test_a_wrappers_default_base_takes_its_defaults_whether_named_or_not():
+    """criticalkv's default base is kvpress's critical_expected_attention (use_vnorm=false) from Python and from
+    its config, which names the base; given parameters still override it."""
+    from h2o_eval.grid import compose
+    from h2o_eval.policies import configured_policy
+
+    config = compose(["policy=criticalkv"])
+    assert config["policy"]["base"] == "expected_attention"
+    from_config = configured_policy(config)
+    assert from_config.base.use_vnorm is False
+    assert from_config == make_policy("criticalkv") == make_policy("criticalkv", base="expected_attention")
+    assert make_policy("criticalkv", base="expected_attention", use_vnorm=True).base.use_vnorm is True

@@ -78,16 +78,18 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
     ``rounding`` (how a fraction budget becomes C) applies to every policy.
 
     A wrapper (``adakv``, ``criticalkv``) takes ``base`` (a policy name; each wrapper has a default) and its own
-    parameters (``alpha``; ``epsilon``, ``first_stage_ratio``); its other parameters go to the base policy.
+    parameters (``alpha``; ``epsilon``, ``first_stage_ratio``); its other parameters go to the base policy. The
+    default base, named or not, starts from the wrapper's parameters for it (criticalkv's ``expected_attention``
+    has ``use_vnorm=false``, kvpress's ``critical_expected_attention``); given ones override them.
     """
     if name not in POLICIES:
         raise ConfigError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")
     cls = POLICIES[name]
     if issubclass(cls, Wrapper):
         own = {key: params.pop(key) for key in _parameters(cls) if key in params}
-        base = params.pop("base", None)
-        if base is None:
-            base, params = cls.default_base_name, cls.default_base_params | params
+        base = params.pop("base", None) or cls.default_base_name
+        if base == cls.default_base_name:  # named or not, the default base takes the wrapper's defaults for it
+            params = cls.default_base_params | params
         if base not in POLICIES or issubclass(POLICIES[base], cls):
             valid = [n for n in POLICIES if not issubclass(POLICIES[n], cls) and cls.refusal(example_policy(n)) is None]
             raise ConfigError(f"{name}: base={base!r}: use one of {', '.join(valid)}")
