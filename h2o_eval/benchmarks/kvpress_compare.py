@@ -32,6 +32,13 @@ chunk attends to. Their rows are repeated with kvpress's ``topk`` breaking ties 
 ``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot express:
 it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed as
 such.
+
+kvpress's composition wrappers are query-agnostic: ``chunk`` (ChunkPress over KeyDiff and over Expected Attention,
+chunks of 256), ``block`` (BlockPress over KeyDiff, blocks of 128), ``composed`` (ComposedPress of kvpress's SnapKV
+then KeyDiff, both at the ratio: int(int(T (1 - ratio)) (1 - ratio)) tokens kept) and ``per_layer``
+(PerLayerCompressionPress over KeyDiff at :func:`layer_ratios`). Its layers then hold different lengths, which the
+SDPA mask transformers builds for several tokens does not fit (kvpress asks for flash attention): kvpress's side
+feeds the question one token at a time.
 """
 
 from __future__ import annotations
@@ -107,6 +114,10 @@ PRESSES: dict[str, Press] = {
     "chunk": Press(
         "chunk", {"base": "keydiff", "chunk_length": 256},
         lambda kv, r: kv.ChunkPress(kv.KeyDiffPress(compression_ratio=r), chunk_length=256),
+    ),
+    "chunk_expected_attention": Press(
+        "chunk", {"base": "expected_attention", "chunk_length": 256},
+        lambda kv, r: kv.ChunkPress(kv.ExpectedAttentionPress(compression_ratio=r), chunk_length=256),
     ),
     "block": Press(
         "block", {"base": "keydiff"}, lambda kv, r: kv.BlockPress(kv.KeyDiffPress(compression_ratio=r), block_size=128)
@@ -289,11 +300,11 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     # (kvpress's PerLayerCompressionPress asks for flash attention), so the question goes one token at a time.
     def step(ids: list[int], positions: list[int]) -> torch.Tensor:
         size = 1 if PRESSES[case.press].layered else len(ids)
-        for start in range(0, len(ids), size):
+        for first in range(0, len(ids), size):
             with torch.no_grad():
                 out = model(
-                    input_ids=torch.tensor([ids[start : start + size]]), past_key_values=cache,
-                    position_ids=torch.tensor([positions[start : start + size]]), logits_to_keep=1,
+                    input_ids=torch.tensor([ids[first : first + size]]), past_key_values=cache,
+                    position_ids=torch.tensor([positions[first : first + size]]), logits_to_keep=1,
                 )  # fmt: skip
         return out.logits[0, -1].float()
 
