@@ -110,6 +110,7 @@ def test_per_layer_gives_each_layer_its_own_budget(tiny):
         ("per_layer", {"budgets": [0.5, 2]}, r"^per_layer: budgets=\[0.5, 2\]: use a list of fractions in \(0, 1\]"),
         ("composed", {"then": "snapkv"}, r"^composed: then='snapkv': use one of compactor, cur, expected_attention"),
         ("composed", {"base": "criticalkv"}, r"^composed: base='criticalkv' is a wrapper"),
+        ("composed", {"then_budget": 0}, r"^composed: then_budget=0: use a fraction in \(0, 1\] or a token count"),
     ],
 )
 def test_wrappers_refuse_what_they_cannot_wrap_in_one_line(name, params, message):

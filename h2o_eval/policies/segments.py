@@ -115,10 +115,11 @@ class Chunk(Selecting):
 
     Each chunk is scored by the base with only that chunk's keys, values and hidden states, as though it were the
     whole prompt (its protected tokens those of a prompt of the chunk's length), and keeps the base's C of the
-    chunk's length (``rounding=down``: kvpress's max(1, int(length * (1 - ratio)))); C is the chunks' sum. The
-    base is any policy that scores keys, values or hidden states (not attention votes: kvpress's ChunkPress
-    refuses attention weights, and its SnapKV would rotate a chunk's window queries at the prompt's last
-    positions). Ties keep the newest token (kvpress: ``torch.topk``'s order). Prefill and context only.
+    chunk's length (``rounding=down``: kvpress's max(1, int(length * (1 - ratio))); an integer budget B: B of each
+    chunk, at most the chunk); C is the chunks' sum. The base is any policy that scores keys, values or hidden
+    states (not attention votes: kvpress's ChunkPress refuses attention weights, and its SnapKV would rotate a
+    chunk's window queries at the prompt's last positions). Ties keep the newest token (kvpress: ``torch.topk``'s
+    order). Prefill and context only.
 
     Args:
         base: the scoring policy (default ``keydiff``).

@@ -50,7 +50,13 @@ class Composed(Selecting):
             valid = [n for n in POLICIES if not Selecting.refusal(example_policy(n))]
             raise ConfigError(f"{self.name}: then={self.then!r}: use one of {', '.join(valid)}")
         budget = self.budget if self.then_budget is None else self.then_budget
-        object.__setattr__(self, "second", make_policy(self.then, budget, rounding=self.rounding))
+        try:
+            second = make_policy(self.then, budget, rounding=self.rounding)
+        except ConfigError:
+            raise ConfigError(
+                f"{self.name}: then_budget={self.then_budget!r}: use a fraction in (0, 1] or a token count >= 1"
+            ) from None
+        object.__setattr__(self, "second", second)
 
     @classmethod
     def refusal(cls, base: Policy) -> str | None:
@@ -58,7 +64,7 @@ class Composed(Selecting):
             return "is a wrapper: use a scoring policy (kvpress's ScorerPress)"
         if layered(base):
             return "gives its layers capacities of their own: use a policy with one capacity"
-        return Wrapper.refusal.__func__(cls, base)
+        return super(Selecting, cls).refusal(base)
 
     def first(self, length: int) -> int:
         """C1: what the base keeps of a ``length``-token prompt."""
