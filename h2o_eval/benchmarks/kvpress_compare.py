@@ -34,7 +34,7 @@ it shows what that changes (its kept tokens are those of ``finch``). A case kvpr
 such.
 
 kvpress's composition wrappers are query-agnostic: ``chunk`` (ChunkPress over KeyDiff and over Expected Attention,
-chunks of 256), ``block`` (BlockPress over KeyDiff, blocks of 128), ``composed`` (ComposedPress of kvpress's SnapKV
+chunks of 128), ``block`` (BlockPress over KeyDiff, blocks of 128), ``composed`` (ComposedPress of kvpress's SnapKV
 then KeyDiff, both at the ratio: int(int(T (1 - ratio)) (1 - ratio)) tokens kept) and ``per_layer``
 (PerLayerCompressionPress over KeyDiff at :func:`layer_ratios`). Its layers then hold different lengths, which the
 SDPA mask transformers builds for several tokens does not fit (kvpress asks for flash attention): kvpress's side
@@ -112,12 +112,12 @@ PRESSES: dict[str, Press] = {
         rerotated=True,
     ),
     "chunk": Press(
-        "chunk", {"base": "keydiff", "chunk_length": 256},
-        lambda kv, r: kv.ChunkPress(kv.KeyDiffPress(compression_ratio=r), chunk_length=256),
+        "chunk", {"base": "keydiff", "chunk_length": 128},
+        lambda kv, r: kv.ChunkPress(kv.KeyDiffPress(compression_ratio=r), chunk_length=128),
     ),
     "chunk_expected_attention": Press(
-        "chunk", {"base": "expected_attention", "chunk_length": 256},
-        lambda kv, r: kv.ChunkPress(kv.ExpectedAttentionPress(compression_ratio=r), chunk_length=256),
+        "chunk", {"base": "expected_attention", "chunk_length": 128},
+        lambda kv, r: kv.ChunkPress(kv.ExpectedAttentionPress(compression_ratio=r), chunk_length=128),
     ),
     "block": Press(
         "block", {"base": "keydiff"}, lambda kv, r: kv.BlockPress(kv.KeyDiffPress(compression_ratio=r), block_size=128)
