@@ -28,10 +28,11 @@ logit difference over the steps both sides reached with the same tokens. Where s
 picks among the tied tokens in its own order and h2o_eval keeps the newest: ``lagkv``'s ranks tie across
 partitions by design; ``leverage``, ``cur`` and ``non_causal_attention`` give equal scores to repeated tokens in
 the first layer (their keys before rotary embedding, or their norms, are equal) and to tokens no query of their
-chunk attends to. Their rows are repeated with kvpress's ``topk`` breaking ties towards the newest token (``ties``:
-``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot express:
-it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed as
-such.
+chunk attends to; ``composed``'s SnapKV gives its whole window of 64 one score, more than it keeps of a short
+prompt at a high ratio. Their rows are repeated with kvpress's ``topk`` breaking ties towards the newest token
+(``ties``: ``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot
+express: it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed
+as such.
 
 kvpress's composition wrappers are query-agnostic: ``chunk`` (ChunkPress over KeyDiff and over Expected Attention,
 chunks of 128), ``block`` (BlockPress over KeyDiff, blocks of 128), ``composed`` (ComposedPress of kvpress's SnapKV
@@ -126,6 +127,7 @@ PRESSES: dict[str, Press] = {
     "composed": Press(
         "composed", {"base": "snapkv", "window": 64, "kernel_size": 5, "pooling": "avg", "then": "keydiff"},
         lambda kv, r: kv.ComposedPress([kv.SnapKVPress(compression_ratio=r), kv.KeyDiffPress(compression_ratio=r)]),
+        ties=True,
     ),
 }  # fmt: skip
 
