@@ -110,6 +110,7 @@ def test_per_layer_gives_each_layer_its_own_budget(tiny):
         ("per_layer", {"budgets": [0.5, 2]}, r"^per_layer: budgets=\[0.5, 2\]: use a list of fractions in \(0, 1\]"),
         ("composed", {"then": "snapkv"}, r"^composed: then='snapkv': use one of compactor, cur, expected_attention"),
         ("composed", {"base": "criticalkv"}, r"^composed: base='criticalkv' is a wrapper"),
+        ("adakv", {"base": "chunk"}, r"^adakv: base='chunk' chooses its kept tokens itself and has no scores"),
         ("composed", {"then_budget": 0}, r"^composed: then_budget=0: use a fraction in \(0, 1\] or a token count"),
     ],
 )

@@ -81,6 +81,8 @@ class Selecting(Wrapper):
     keeps, fixed by the lengths alone, so the mechanism keeps exactly its choice. Nothing is protected beyond it,
     and every later token is kept (kvpress's presses act once)."""
 
+    selects: ClassVar[bool] = True
+
     @classmethod
     def refusal(cls, base: Policy) -> str | None:
         return piece_refusal(base) or super().refusal(base)
