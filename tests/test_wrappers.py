@@ -107,6 +107,7 @@ def test_per_layer_gives_each_layer_its_own_budget(tiny):
         ("block", {"block_size": 0}, r"^block: block_size=0: use an integer >= 1$"),
         ("chunk", {"base": "local"}, r"^chunk: base='local' ranks no tokens by score"),
         ("per_layer", {"base": "pyramidkv"}, r"^per_layer: base='pyramidkv' gives its layers capacities of their own"),
+        ("per_layer", {"base": "kvzip"}, r"^per_layer: base='kvzip' scores by extra passes and may choose across"),
         ("per_layer", {"budgets": [0.5, 2]}, r"^per_layer: budgets=\[0.5, 2\]: use a list of fractions in \(0, 1\]"),
         ("composed", {"then": "snapkv"}, r"^composed: then='snapkv': use one of compactor, cur, expected_attention"),
         ("composed", {"base": "criticalkv"}, r"^composed: base='criticalkv' is a wrapper"),

@@ -18,9 +18,9 @@ class PerLayer(Wrapper):
     ``rounding`` says; ``rounding=down`` keeps kvpress's int(length * (1 - ratio))). The list has one budget per
     layer of the model (another length is refused when the model is known); the policy's ``budget`` is then their
     mean (kvpress's compression_ratio is the mean of its ratios) and the run's ``budget`` is not used. Without
-    ``budgets`` every layer has the run's budget. The base is any policy with one capacity for all its layers (not
-    a wrapper, not PyramidKV). Unlike kvpress (flash attention only), any attention implementation runs it.
-    Prefill and context only.
+    ``budgets`` every layer has the run's budget. The base is any policy with one capacity for all its layers that
+    compresses each layer alone (not a wrapper, PyramidKV or KVzip). Unlike kvpress (flash attention only), any
+    attention implementation runs it. Prefill and context only.
 
     Args:
         base: the policy each layer runs (default ``snapkv``).
@@ -53,6 +53,8 @@ class PerLayer(Wrapper):
             return "is a wrapper: use a scoring policy (kvpress's ScorerPress)"
         if layered(base):
             return "gives its layers capacities of their own: use a policy with one capacity for all layers"
+        if base.rehearses:
+            return "scores by extra passes and may choose across layers: use a policy that compresses each layer alone"
         return super().refusal(base)
 
     def plan(self, length: int, layer: int = 0, num_layers: int = 1) -> Plan:
