@@ -66,6 +66,11 @@ class Composed(Selecting):
             return "gives its layers capacities of their own: use a policy with one capacity"
         return super(Selecting, cls).refusal(base)
 
+    def describe(self) -> dict[str, Any]:
+        """As :meth:`Policy.describe`, with the second policy as built (``then_policy``), so a changed default of it
+        is a new setting."""
+        return {**super().describe(), "then_policy": self.second.describe()}
+
     def first(self, length: int) -> int:
         """C1: what the base keeps of a ``length``-token prompt."""
         return min(length, self.base.capacity(length))
