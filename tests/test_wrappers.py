@@ -75,7 +75,7 @@ def test_composed_compresses_what_the_first_policy_kept(tiny):
     model, ids, keys = tiny
     policy = make_policy("composed", 0.5, rounding="down", base="knorm", then="keydiff", then_budget=0.6)
     assert policy.capacity(LENGTH) == 13
-    assert policy.describe()["then_policy"] == make_policy("keydiff", 0.6, rounding="down").describe()
+    assert policy.describe()["second"] == make_policy("keydiff", 0.6, rounding="down").describe()
     kept = compressed(model, policy, ids)
     for layer, layer_keys in enumerate(keys):
         for head in range(layer_keys.shape[0]):

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -38,6 +38,9 @@ class Composed(Selecting):
 
     then: str = "knorm"
     then_budget: float | int | None = None
+    # The second policy as built from ``then`` (described with the policy, so a changed default of it is a new
+    # setting).
+    second: Policy | None = field(default=None, init=False)
     name: ClassVar[str] = "composed"
     default_base_name: ClassVar[str] = "snapkv"
     example: ClassVar[dict[str, Any]] = {"window": 4}
@@ -65,11 +68,6 @@ class Composed(Selecting):
         if layered(base):
             return "gives its layers capacities of their own: use a policy with one capacity"
         return super(Selecting, cls).refusal(base)
-
-    def describe(self) -> dict[str, Any]:
-        """As :meth:`Policy.describe`, with the second policy as built (``then_policy``), so a changed default of it
-        is a new setting."""
-        return {**super().describe(), "then_policy": self.second.describe()}
 
     def first(self, length: int) -> int:
         """C1: what the base keeps of a ``length``-token prompt."""
