@@ -40,6 +40,11 @@ def test_every_press_runs_on_a_tiny_model_at_kvpress_kept_count():
             assert held == [2 * 20 + 6] * len(held)
         elif case.press == "adakv_compactor":  # heads share the layer's slots
             assert sum(held) == int(tokens * 0.75) * len(held)
+        elif case.press == "composed":  # the second press keeps int(45 * 0.75) of the first's int(60 * 0.75)
+            assert held == [int(int(tokens * 0.75) * 0.75)] * len(held)
+        elif case.press == "per_layer":  # ratio 0.25 in layer 0, 0.125 in layer 1
+            heads = model.config.num_key_value_heads
+            assert held == [int(tokens * 0.75)] * heads + [int(tokens * 0.875)] * heads
         else:
             assert held == [int(tokens * 0.75)] * len(held), case.press
         assert len(found["tokens"]) == 3 and found["logits"].shape == (3, vocabulary), case.press

@@ -28,10 +28,18 @@ logit difference over the steps both sides reached with the same tokens. Where s
 picks among the tied tokens in its own order and h2o_eval keeps the newest: ``lagkv``'s ranks tie across
 partitions by design; ``leverage``, ``cur`` and ``non_causal_attention`` give equal scores to repeated tokens in
 the first layer (their keys before rotary embedding, or their norms, are equal) and to tokens no query of their
-chunk attends to. Their rows are repeated with kvpress's ``topk`` breaking ties towards the newest token (``ties``:
-``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot express:
-it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed as
-such.
+chunk attends to; ``composed``'s SnapKV gives its whole window of 64 one score, more than it keeps of a short
+prompt at a high ratio. Their rows are repeated with kvpress's ``topk`` breaking ties towards the newest token
+(``ties``: ``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot
+express: it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed
+as such.
+
+kvpress's composition wrappers are query-agnostic: ``chunk`` (ChunkPress over KeyDiff and over Expected Attention,
+chunks of 128), ``block`` (BlockPress over KeyDiff, blocks of 128), ``composed`` (ComposedPress of kvpress's SnapKV
+then KeyDiff, both at the ratio: int(int(T (1 - ratio)) (1 - ratio)) tokens kept) and ``per_layer``
+(PerLayerCompressionPress over KeyDiff at :func:`layer_ratios`). Its layers then hold different lengths, which the
+SDPA mask transformers builds for several tokens does not fit (kvpress asks for flash attention): kvpress's side
+feeds the question one token at a time.
 """
 
 from __future__ import annotations
@@ -65,6 +73,13 @@ class Press:
     delimiter: bool = False  # FINCH: a delimiter token between context and question; the window is the question
     rerotated: bool = False  # the question's positions continue from the compressed length (key re-rotation)
     ties: bool = False  # also run kvpress with ties broken towards the newest token
+    layered: bool = False  # the ratio differs by layer (:func:`layer_ratios`): kvpress's PerLayerCompressionPress
+
+
+def layer_ratios(ratio: float, layers: int) -> list[float]:
+    """The compression ratio of each layer of a ``layered`` press at ``ratio``: the ratio in even layers, half of it
+    in odd ones."""
+    return [ratio if layer % 2 == 0 else ratio / 2 for layer in range(layers)]
 
 
 PRESSES: dict[str, Press] = {
@@ -96,6 +111,23 @@ PRESSES: dict[str, Press] = {
     "finch_rerotated": Press(
         "finch", {}, lambda kv, r: kv.FinchPress(compression_ratio=r), query_aware=True, delimiter=True,
         rerotated=True,
+    ),
+    "chunk": Press(
+        "chunk", {"base": "keydiff", "chunk_length": 128},
+        lambda kv, r: kv.ChunkPress(kv.KeyDiffPress(compression_ratio=r), chunk_length=128),
+    ),
+    "chunk_expected_attention": Press(
+        "chunk", {"base": "expected_attention", "chunk_length": 128},
+        lambda kv, r: kv.ChunkPress(kv.ExpectedAttentionPress(compression_ratio=r), chunk_length=128),
+    ),
+    "block": Press(
+        "block", {"base": "keydiff"}, lambda kv, r: kv.BlockPress(kv.KeyDiffPress(compression_ratio=r), block_size=128)
+    ),
+    "per_layer": Press("per_layer", {"base": "keydiff"}, lambda kv, r: kv.KeyDiffPress(), layered=True),
+    "composed": Press(
+        "composed", {"base": "snapkv", "window": 64, "kernel_size": 5, "pooling": "avg", "then": "keydiff"},
+        lambda kv, r: kv.ComposedPress([kv.SnapKVPress(compression_ratio=r), kv.KeyDiffPress(compression_ratio=r)]),
+        ties=True,
     ),
 }  # fmt: skip
 
@@ -191,6 +223,8 @@ def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[st
 
     press = PRESSES[case.press]
     params = dict(press.params, **({"window": case.window} if press.delimiter else {}))
+    if press.layered:
+        params["budgets"] = [1 - ratio for ratio in layer_ratios(case.ratio, model.config.num_hidden_layers)]
     policy = make_policy(press.policy, 1 - case.ratio, rounding="down", **params)
     protocol = "prefill" if press.query_aware else "context"
     cache = EvictionCache(model, policy, protocol=protocol, decoding="grow")
@@ -251,6 +285,9 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     from transformers import DynamicCache
 
     press = PRESSES[case.press].kvpress(kvpress, case.ratio)
+    if PRESSES[case.press].layered:
+        ratios = layer_ratios(case.ratio, model.config.num_hidden_layers)
+        press = kvpress.PerLayerCompressionPress(press, compression_ratios=ratios)
     if PRESSES[case.press].delimiter:  # what update_model_and_tokenizer sets, the model being extended already
         press.delimiter_token, press.delimiter_token_id = "<|finch_sep|>", model.delimiter_id
     ids = [model.delimiter_id if token == DELIMITER else token for token in case.compressed]
@@ -261,12 +298,16 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     kept = _kept(model, cache, full) if not PRESSES[case.press].rerotated else None
     start = cache.get_seq_length() if PRESSES[case.press].rerotated else len(case.compressed)
 
+    # Layers of different lengths: the SDPA mask transformers builds for several tokens fits the first layer only
+    # (kvpress's PerLayerCompressionPress asks for flash attention), so the question goes one token at a time.
     def step(ids: list[int], positions: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            out = model(
-                input_ids=torch.tensor([ids]), past_key_values=cache, position_ids=torch.tensor([positions]),
-                logits_to_keep=1,
-            )  # fmt: skip
+        size = 1 if PRESSES[case.press].layered else len(ids)
+        for first in range(0, len(ids), size):
+            with torch.no_grad():
+                out = model(
+                    input_ids=torch.tensor([ids[first : first + size]]), past_key_values=cache,
+                    position_ids=torch.tensor([positions[first : first + size]]), logits_to_keep=1,
+                )  # fmt: skip
         return out.logits[0, -1].float()
 
     tokens, logits = greedy(step, case, start, new_tokens, stop)

@@ -70,7 +70,7 @@ __all__ = [
 
 
 def _parameters(cls: type[Policy]) -> set[str]:
-    return {f.name for f in fields(cls)} - {"budget", "rounding", "base"}
+    return {f.name for f in fields(cls) if f.init} - {"budget", "rounding", "base"}
 
 
 def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:

@@ -18,6 +18,8 @@ class Wrapper(Policy):
 
     base: Policy | None = None
     protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
+    # Whether the wrapper chooses the kept tokens itself, its scores only marking them (no base to another wrapper).
+    selects: ClassVar[bool] = False
     # The base make_policy builds when none is named, and the parameters it gives that base.
     default_base_name: ClassVar[str]
     default_base_params: ClassVar[dict[str, Any]] = {}
@@ -51,6 +53,8 @@ class Wrapper(Policy):
             )
         if isinstance(base, cls):
             return f"is already a {cls.name}: use its base"
+        if isinstance(base, Wrapper) and base.selects:
+            return "chooses its kept tokens itself and has no scores to rank them by: wrap a scoring policy"
         return None
 
     @property
