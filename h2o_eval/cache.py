@@ -89,7 +89,7 @@ class EvictionCache(Cache):
             raise ConfigError(
                 f"policy {policy.name!r} re-rotates the keys its prompt kept, so the prompt is fed alone and the rest "
                 "after it: use it on a generation task (EvictionCache without prompt=), or without re-rotation "
-                "(finch: rerotate_keys=False)"
+                "(finch: rerotate_keys=False; key_rerotation: its base alone)"
             )
         windows, window = layer_windows(model)
         device = next(model.parameters()).device

@@ -89,8 +89,8 @@ class Runner:
         if policy.rerotates:
             return (
                 "re-rotates the keys its prompt kept, which a log-likelihood request's single forward (prompt and "
-                "continuation together) cannot do: use it on a generation task, or without re-rotation (finch: "
-                "policy.rerotate_keys=false)"
+                "continuation together) cannot do: use it on a generation task, or without re-rotation "
+                "(finch: policy.rerotate_keys=false; key_rerotation: its base alone)"
             )
         return None
 
