@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import rotate_half
 
 from h2o_eval.decode import Slots
 from h2o_eval.errors import ConfigError
@@ -41,15 +42,15 @@ def inverse_frequencies(model: torch.nn.Module, owner: str) -> list[torch.Tensor
         )
     kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     nested = all(isinstance(value, dict) for value in parameters.values())
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     found = []
     for kind in kinds:
         params = parameters[kind] if nested else parameters
         rope_type = params.get("rope_type", "default")
         if rope_type not in FIXED:
             raise ConfigError(
-                f"{owner} re-rotates the kept keys, and {config.model_type}'s rotary type {rope_type!r} changes its "
-                f"frequencies with the length: use a model whose rotary is one of {', '.join(FIXED)}"
+                f"{owner} re-rotates the kept keys, and {config.model_type}'s rotary type {rope_type!r} has no fixed "
+                f"frequencies to turn them by (dynamic and longrope change with the length): use a model whose rotary "
+                f"is one of {', '.join(FIXED)}"
             )
         if params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) != 1.0:
             raise ConfigError(
@@ -58,19 +59,8 @@ def inverse_frequencies(model: torch.nn.Module, owner: str) -> list[torch.Tensor
             )
         compute = rotary.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
         inv_freq, _ = compute(config, layer_type=kind) if nested else compute(config)
-        if 2 * inv_freq.numel() != dim:
-            raise ConfigError(
-                f"{owner} re-rotates whole keys, and {config.model_type}'s rotary turns {2 * inv_freq.numel()} of "
-                f"{dim} dimensions: use a model whose rotary turns the whole head"
-            )
         found.append(inv_freq.float())
     return found
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The rotary's quarter turn of each (i, i + D/2) pair, as transformers' Llama applies it."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rerotate(
