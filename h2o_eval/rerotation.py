@@ -30,8 +30,8 @@ FIXED = ("default", "linear", "llama3", "yarn")
 
 
 def inverse_frequencies(model: torch.nn.Module, owner: str) -> list[torch.Tensor]:
-    """Per layer, the inverse frequencies [D / 2] (float32) of ``model``'s rotary embedding, from its config;
-    ``owner`` names the policy in a refusal."""
+    """Per layer, the inverse frequencies [D / 2] (float32, on the model's device) of ``model``'s rotary embedding,
+    from its config; ``owner`` names the policy in a refusal."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     rotary = getattr(model.get_decoder(), "rotary_emb", None)
     parameters = getattr(config, "rope_parameters", None)
@@ -58,7 +58,8 @@ def inverse_frequencies(model: torch.nn.Module, owner: str) -> list[torch.Tensor
                 "whose rotary turns the whole head (Llama, Mistral, Qwen, Gemma 3)"
             )
         compute = rotary.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
-        inv_freq, _ = compute(config, layer_type=kind) if nested else compute(config)
+        with torch.device(next(model.parameters()).device):  # transformers makes them on the default device
+            inv_freq, _ = compute(config, layer_type=kind) if nested else compute(config)
         found.append(inv_freq.float())
     return found
 
@@ -74,7 +75,7 @@ def rerotate(
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(slots, device=held.device).expand_as(order))
     target = last.view(-1, 1, 1) - held.sum(-1, keepdim=True) + 1 + rank
     delta = torch.where(held, target - position, 0)
-    freqs = delta.unsqueeze(-1).float() * inv_freq.to(keys.device)
+    freqs = delta.unsqueeze(-1).float() * inv_freq
     angles = torch.cat((freqs, freqs), dim=-1)
     cos, sin = angles.cos().to(keys.dtype), angles.sin().to(keys.dtype)
     return keys * cos + rotate_half(keys) * sin
