@@ -34,6 +34,7 @@ from h2o_eval.implementation import choose
 from h2o_eval.layer import EvictionLayer
 from h2o_eval.policies import Full, Policy, Rule, check_decoding, check_protocol
 from h2o_eval.policies.inputs import Script
+from h2o_eval.rerotation import inverse_frequencies
 
 
 def decoding_rule(policy: Policy, decoding: str) -> Rule:
@@ -84,6 +85,12 @@ class EvictionCache(Cache):
                 f"policy {policy.name!r} scores its prompt by extra passes before compressing it, which one "
                 "whole-sequence forward cannot run: use it on a generation task"
             )
+        if policy.rerotates and (one_forward or prompt is not None):
+            raise ConfigError(
+                f"policy {policy.name!r} re-rotates the keys its prompt kept, so the prompt is fed alone and the rest "
+                "after it: use it on a generation task (EvictionCache without prompt=), or without re-rotation "
+                "(finch: rerotate_keys=False; key_rerotation: its base alone)"
+            )
         windows, window = layer_windows(model)
         device = next(model.parameters()).device
         self.decoding = decoding
@@ -99,6 +106,7 @@ class EvictionCache(Cache):
             prompt=None if prompt is None else tuple(prompt),
             one_forward=one_forward,
             rotary=rotary_function(model),
+            rerotation=tuple(inverse_frequencies(model, f"policy {policy.name!r}")) if policy.rerotates else None,
         )
         # A policy that scores its prompt by extra passes holds it whole until they ran (compress_prompt).
         self.shared = Sequences(deferred=policy.rehearses and protocol != "simulate")

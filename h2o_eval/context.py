@@ -27,7 +27,8 @@ class LayerContext:
     length); ``prompt``: per sequence, the real tokens of its first chunk that are its prompt (None: the whole
     chunk); ``one_forward``: the cache serves one whole-sequence forward (``patch``); ``window``: the sliding window
     that bounds every layer of a model whose layers all slide (None otherwise); ``rotary(layer, positions)``: the
-    model's rotary embedding (None without)."""
+    model's rotary embedding (None without); ``rerotation``: per layer the rotary's inverse frequencies by which a
+    compressed prompt's kept keys are re-rotated (:mod:`h2o_eval.rerotation`), None for a policy that keeps them."""
 
     policy: Policy
     rule: Rule
@@ -40,6 +41,7 @@ class LayerContext:
     prompt: tuple[int, ...] | None = None
     one_forward: bool = False
     rotary: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    rerotation: tuple[torch.Tensor, ...] | None = None
 
     def prompt_rows(self, arriving: torch.Tensor) -> torch.Tensor:
         """[B] the first chunk's rows that are prompt rows (left padding included; ``arriving`` [B, n] marks the

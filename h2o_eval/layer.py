@@ -42,6 +42,7 @@ from h2o_eval.eviction import Chunk
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
 from h2o_eval.policies.inputs import Prompt, Rehearsal
+from h2o_eval.rerotation import rerotated
 
 AHEAD = 64  # decode positions whose position scores are made at once (Policy.position_scores)
 
@@ -365,6 +366,8 @@ class EvictionLayer(CacheLayerMixin):
             self.kept = result.kept
         entered = torch.cat([slots.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
         self._keep(Slots(keys, values, result.held, position, result.scores), entered)
+        if result.kept is not None:  # a prompt was compressed: the policy may turn the keys it kept
+            self.slots = rerotated(self.slots, self.shared.last, context.rerotation, self.layer_idx)
         return result.output
 
     def _ragged(self, counts: list[list[int]], room: int) -> None:
@@ -434,6 +437,7 @@ class EvictionLayer(CacheLayerMixin):
         plan["capacity"], self.kept, self.rehearsed = after, held.sum(-1), None
         self.unbounded = bool((after >= UNBOUNDED).all())
         self._keep(Slots(slots.keys, slots.values, held, slots.position, scores), slots.held)
+        self.slots = rerotated(self.slots, self.shared.last, self.context.rerotation, self.layer_idx)
         self._settled()
 
     def _evicts_nothing(self, first: bool, arriving: torch.Tensor) -> bool:

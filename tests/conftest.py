@@ -134,13 +134,15 @@ def record_settings(task: str, policy: str, budget: float | int, protocol: str =
 def registered(protocol: str, *, cache: bool = True, evicting: bool = False, passes: bool = True) -> list[str]:
     """Every registered policy that exists in ``protocol``, as its class declares; with ``cache``, only those that
     run as a cache; with ``evicting``, only those whose example evicts from a 64-token sequence at a budget of 0.2;
-    without ``passes``, only those that need no extra passes before compressing (so run in one forward, as
-    ``patch`` runs them). The generic suites iterate over these, so a new policy (its file and registry entry)
-    takes part in every one."""
+    without ``passes``, only those that need no extra passes before compressing and do not re-rotate the keys they
+    kept (so run in one forward, as ``patch`` runs them). The generic suites iterate over these, so a new policy
+    (its file and registry entry) takes part in every one."""
     names = []
     for name, cls in POLICIES.items():
         policy = example_policy(name, 0.2)
-        if protocol not in cls.protocols or (cache and not policy.has_cache) or (not passes and policy.rehearses):
+        if protocol not in cls.protocols or (cache and not policy.has_cache):
+            continue
+        if not passes and (policy.rehearses or policy.rerotates):
             continue
         if evicting and policy.capacity(64) >= 64:
             continue

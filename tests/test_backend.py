@@ -53,7 +53,8 @@ def test_full_and_whole_sequence_budgets_reproduce_the_unpatched_model(models, f
     with torch.no_grad():
         plain = model(ids).logits
         for name, cls in POLICIES.items():
-            for protocol in cls.protocols if not example_policy(name).rehearses else ():  # patch: one forward
+            one_forward = not (example_policy(name).rehearses or example_policy(name).rerotates)
+            for protocol in cls.protocols if one_forward else ():  # patch: one forward
                 # A cache of the whole sequence evicts nothing. The authors' simulation (no cache) keeps
                 # int(0.5 T) - 1 heavy keys that may overlap its recent band: at a budget of the whole sequence it
                 # can still drop old keys (it does on Qwen3 and Gemma 3); beyond it, it cannot. A policy that grows

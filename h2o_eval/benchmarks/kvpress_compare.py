@@ -30,9 +30,11 @@ partitions by design; ``leverage``, ``cur`` and ``non_causal_attention`` give eq
 the first layer (their keys before rotary embedding, or their norms, are equal) and to tokens no query of their
 chunk attends to; ``composed``'s SnapKV gives its whole window of 64 one score, more than it keeps of a short
 prompt at a high ratio. Their rows are repeated with kvpress's ``topk`` breaking ties towards the newest token
-(``ties``: ``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot
-express: it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed
-as such.
+(``ties``: ``newest``). The presses that re-rotate the kept keys (``finch``, kvpress's default;
+``key_rerotation_snapkv`` and ``key_rerotation_knorm``, its ``KeyRerotationPress`` over SnapKV with its defaults and
+over Knorm) have their kept positions noted where kvpress re-rotates them; kvpress then feeds the question from the
+kept count, h2o_eval from the prompt's length, every query at the same distance from every kept key.
+``finch_unrotated`` is ``FinchPress(rerotate_keys=False)``. A case kvpress itself fails is printed as such.
 
 kvpress's composition wrappers are query-agnostic: ``chunk`` (ChunkPress over KeyDiff and over Expected Attention,
 chunks of 128), ``block`` (BlockPress over KeyDiff, blocks of 128), ``composed`` (ComposedPress of kvpress's SnapKV
@@ -105,10 +107,6 @@ PRESSES: dict[str, Press] = {
         lambda kv, r: kv.EntropyGatedChunkKVPress(press=kv.SnapKVPress(compression_ratio=r)), query_aware=True,
     ),
     "finch": Press(
-        "finch", {}, lambda kv, r: kv.FinchPress(compression_ratio=r, rerotate_keys=False), query_aware=True,
-        delimiter=True,
-    ),
-    "finch_rerotated": Press(
         "finch", {}, lambda kv, r: kv.FinchPress(compression_ratio=r), query_aware=True, delimiter=True,
         rerotated=True,
     ),
@@ -128,6 +126,18 @@ PRESSES: dict[str, Press] = {
         "composed", {"base": "snapkv", "window": 64, "kernel_size": 5, "pooling": "avg", "then": "keydiff"},
         lambda kv, r: kv.ComposedPress([kv.SnapKVPress(compression_ratio=r), kv.KeyDiffPress(compression_ratio=r)]),
         ties=True,
+    ),
+    "finch_unrotated": Press(
+        "finch", {"rerotate_keys": False}, lambda kv, r: kv.FinchPress(compression_ratio=r, rerotate_keys=False),
+        query_aware=True, delimiter=True,
+    ),
+    "key_rerotation_snapkv": Press(
+        "key_rerotation", {"base": "snapkv", "window": 64, "kernel_size": 5, "pooling": "avg"},
+        lambda kv, r: kv.KeyRerotationPress(kv.SnapKVPress(compression_ratio=r)), rerotated=True, ties=True,
+    ),
+    "key_rerotation_knorm": Press(
+        "key_rerotation", {"base": "knorm"}, lambda kv, r: kv.KeyRerotationPress(kv.KnormPress(compression_ratio=r)),
+        rerotated=True, ties=True,
     ),
 }  # fmt: skip
 
@@ -238,7 +248,9 @@ def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[st
         out = model(torch.tensor([ids]), cache=cache, position_ids=torch.tensor([positions]), use_cache=True)
         return out.logits[0, -1].float()
 
-    tokens, logits = greedy(step, case, len(case.compressed), new_tokens, stop)
+    # Re-rotated keys end at the prompt's last token, so the question follows it (kvpress: from the kept count).
+    start = len(case.context) if press.rerotated else len(case.compressed)
+    tokens, logits = greedy(step, case, start, new_tokens, stop)
     return {"kept": kept, "tokens": tokens, "logits": logits}
 
 
@@ -293,9 +305,13 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     ids = [model.delimiter_id if token == DELIMITER else token for token in case.compressed]
     torch.manual_seed(SEED)
     cache = DynamicCache()
-    with torch.no_grad(), _ties(case.ties), press(model):
+    rerotated: dict[int, list[list[int]]] = {}
+    with torch.no_grad(), _ties(case.ties), _rerotations(kvpress, rerotated), press(model):
         model.model(input_ids=torch.tensor([ids]), past_key_values=cache)
-    kept = _kept(model, cache, full) if not PRESSES[case.press].rerotated else None
+    if PRESSES[case.press].rerotated:
+        kept = [[sorted(head) for head in rerotated[layer]] for layer in range(len(cache.layers))]
+    else:
+        kept = _kept(model, cache, full)
     start = cache.get_seq_length() if PRESSES[case.press].rerotated else len(case.compressed)
 
     # Layers of different lengths: the SDPA mask transformers builds for several tokens fits the first layer only
@@ -331,6 +347,27 @@ def _kept(model: Any, cache: Any, full: list[torch.Tensor]) -> list[list[list[in
     return kept
 
 
+class _rerotations:
+    """Within the block, kvpress's ``KeyRerotationPress.rerotate_keys`` (which FINCH calls too) notes per layer the
+    positions each KV head keeps in ``found``: re-rotated keys are no longer among the full cache's."""
+
+    def __init__(self, kvpress: Any, found: dict[int, list[list[int]]]) -> None:
+        self.press, self.found = kvpress.KeyRerotationPress, found
+
+    def __enter__(self) -> None:
+        self.saved = self.press.__dict__["rerotate_keys"]
+        original, found = self.saved.__func__, self.found
+
+        def noted(module: Any, indices: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+            found[module.layer_idx] = indices[0].tolist()
+            return original(module, indices, keys)
+
+        self.press.rerotate_keys = staticmethod(noted)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.press.rerotate_keys = self.saved
+
+
 class _ties:
     """Within the block, ``torch.topk`` (function and method) breaks ties towards the largest index, as h2o_eval
     keeps the newest of tied tokens; ``topk``: as it is."""
@@ -358,13 +395,8 @@ def _newest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True
 def compare(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, bool, float]:
     """(layer-head pairs keeping the same tokens, tokens equal, the largest logit difference over the steps both
     sides reached with the same tokens)."""
-    if theirs["kept"] is None:
-        heads = "n/a"
-    else:
-        pairs = [
-            (a, b) for la, lb in zip(mine["kept"], theirs["kept"], strict=True) for a, b in zip(la, lb, strict=True)
-        ]
-        heads = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    pairs = [(a, b) for la, lb in zip(mine["kept"], theirs["kept"], strict=True) for a, b in zip(la, lb, strict=True)]
+    heads = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
     same = 0
     while same < min(len(mine["tokens"]), len(theirs["tokens"])) and mine["tokens"][same] == theirs["tokens"][same]:
         same += 1

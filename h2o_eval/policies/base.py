@@ -298,6 +298,12 @@ class Policy:
         return type(self).compression_scores is not Policy.compression_scores
 
     @property
+    def rerotates(self) -> bool:
+        """Whether the keys a compressed prompt kept are re-rotated to contiguous positions (kvpress's key
+        re-rotation, :mod:`h2o_eval.rerotation`)."""
+        return False
+
+    @property
     def rehearses(self) -> bool:
         """Whether the policy scores a prompt by extra passes (:meth:`passes`) before compressing it."""
         return type(self).passes is not Policy.passes

@@ -39,19 +39,22 @@ class Finch(Policy):
     What differs from kvpress, and why: kvpress's window is the question, found by a delimiter token between
     context and question that its model and tokenizer are extended with; a prompt here carries no boundary between
     its context and its question, so the window is a fixed number of the prompt's last tokens (``window``: equal
-    to kvpress where it is the question's length). kvpress also re-rotates the kept keys to the positions 0..C-1
-    and continues the question's positions from C (``rerotate_keys``, on by default); the mechanism keeps every key
-    as its token's rotary embedding made it, which is kvpress's ``FinchPress(rerotate_keys=False)``. kvpress's
-    optional chunked selection (``chunk_length``, off by default) is not offered. Beyond kvpress, a padded batch
-    scores each sequence's real tokens.
+    to kvpress where it is the question's length). As kvpress by default, the kept keys are re-rotated to contiguous
+    positions (``rerotate_keys``, :mod:`h2o_eval.rerotation`: they end at the prompt's last token, where kvpress puts
+    them at 0..C-1 and continues the question from C, the same distances); ``rerotate_keys=False`` keeps every key
+    as its token's rotary embedding made it, kvpress's ``FinchPress(rerotate_keys=False)``. Re-rotated, the prompt
+    is fed alone, so not on log-likelihood tasks. kvpress's optional chunked selection (``chunk_length``, off by
+    default) is not offered. Beyond kvpress, a padded batch scores each sequence's real tokens.
 
     Args:
         window: the prompt's last tokens whose queries vote (and that are kept).
         normalize_scores: weight each query's attention by its token index.
+        rerotate_keys: re-rotate the kept keys to contiguous positions after the compression.
     """
 
     window: int = 64
     normalize_scores: bool = True
+    rerotate_keys: bool = True
     name: ClassVar[str] = "finch"
     protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
     example: ClassVar[dict[str, Any]] = {"window": 4}
@@ -60,6 +63,11 @@ class Finch(Policy):
         super().__post_init__()
         check_number(self.name, "window", self.window, integer=True, low=1)
         check_flag(self.name, "normalize_scores", self.normalize_scores)
+        check_flag(self.name, "rerotate_keys", self.rerotate_keys)
+
+    @property
+    def rerotates(self) -> bool:
+        return self.rerotate_keys
 
     @property
     def rule(self) -> Rule:

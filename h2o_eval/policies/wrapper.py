@@ -88,6 +88,10 @@ class Wrapper(Policy):
         return self.base.passes(script)
 
     @property
+    def rerotates(self) -> bool:
+        return self.base.rerotates
+
+    @property
     def rehearses(self) -> bool:
         return self.base.rehearses
 

@@ -78,13 +78,19 @@ class Runner:
     def refusal(self, task: Mapping[str, Any], policy: Any) -> str | None:
         """Why this task cannot run ``policy`` (None: it can). A task that generates can run every policy with a
         cache, those that score their prompt by extra passes included; one scored in a single forward per request
-        (log-likelihood) cannot run extra passes."""
+        (log-likelihood) cannot run extra passes, nor re-rotate its prompt's keys before what follows."""
         if self.generates(task):
             return None if policy.has_cache else "is a simulation of scoring only: generate with policy=h2o"
         if policy.rehearses:
             return (
                 "scores its prompt by extra passes, which a log-likelihood request's single forward cannot run: use "
                 "it on a generation task"
+            )
+        if policy.rerotates:
+            return (
+                "re-rotates the keys its prompt kept, which a log-likelihood request's single forward (prompt and "
+                "continuation together) cannot do: use it on a generation task, or without re-rotation "
+                "(finch: policy.rerotate_keys=false; key_rerotation: its base alone)"
             )
         return None
 
