@@ -190,6 +190,13 @@ def _reference_compress(held, scores, position, capacity, chunk, now, compressin
         active = compressing.view(-1, 1, 1)
         scores = torch.where(active, chunk.rescore(scores, protected & held & active), scores)
     for b in torch.nonzero(compressing).flatten().tolist():
+        if rule.threshold is not None:
+            for h in range(kv_heads):
+                below = held[b, h] & ~protected[b, h] & (scores[b, h] < rule.threshold)
+                while bool(below.any()):
+                    victim = lowest(scores[b, h], position[b, h], below)
+                    held[b, h, victim] = below[victim] = False
+            continue
         if rule.safeguard is None:
             for h in range(kv_heads):
                 while int(held[b, h].sum()) > int(capacity[b, h]):

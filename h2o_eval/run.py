@@ -89,7 +89,7 @@ def validate(config: dict[str, Any]) -> Spec:
     if (reason := runner.refusal(task, policy)) is not None:
         raise ConfigError(f"policy={policy.name} {reason}")
     check_protocol(policy, protocol, config["kernels"])
-    check_decoding(protocol, config["decoding"])
+    check_decoding(protocol, config["decoding"], policy)
     from h2o_eval.models import check_available, resolve_device, resolve_dtype
 
     device = resolve_device(config["device"])
