@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RULES, make_chunk
+from conftest import make_chunk
 from test_eviction import assert_same_result
 from transformers import AttentionInterface, DynamicCache
 
@@ -38,27 +38,31 @@ def masked_attention(module, query, key, value, attention_mask, scaling=None, dr
 AttentionInterface.register("dms_reference", masked_attention)
 
 
-def reference(ids: torch.Tensor, stops: list[int], decoding: bool) -> tuple[list, list]:
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny Llama the harness runs, and a copy of it whose attention is :func:`masked_attention`."""
+    plain = load_model("tiny-llama", device="cpu")[0]
+    masked = load_model("tiny-llama", device="cpu")[0]
+    masked.set_attn_implementation("dms_reference")
+    return plain, masked
+
+
+def reference(model, ids: torch.Tensor, stops: list[int], decoding: bool) -> tuple[list, list]:
     """The plain re-implementation: the prompt (up to the first of ``stops``) attends in full, then every token
     older than the window whose minus key norm is below the threshold is masked; with ``decoding`` the same at the
     end of every later forward (up to each next stop). Returns each forward's logits and the kept positions."""
-    model = load_model("tiny-llama", device="cpu")[0]
-    model.set_attn_implementation("dms_reference")
     DROPPED.clear()
     cache, logits, start = DynamicCache(), [], 0
-    try:
-        for stop in stops:
-            out = model(ids[:, start:stop], cache=cache, use_cache=True)
-            logits.append(out.logits[:, -1])
-            if start == 0 or decoding:
-                for layer, state in enumerate(cache.layers):
-                    keys = state.keys  # [B, Hkv, K, D]
-                    gone = (torch.arange(keys.shape[2]) <= stop - 1 - WINDOW) & (-keys.float().norm(dim=-1) < THRESHOLD)
-                    before = DROPPED.get(layer, gone[..., :0])
-                    DROPPED[layer] = torch.nn.functional.pad(before, (0, gone.shape[-1] - before.shape[-1])) | gone
-            start = stop
-    finally:
-        model.set_attn_implementation("sdpa")
+    for stop in stops:
+        out = model(ids[:, start:stop], cache=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        if start == 0 or decoding:
+            for layer, state in enumerate(cache.layers):
+                keys = state.keys  # [B, Hkv, K, D]
+                gone = (torch.arange(keys.shape[2]) <= stop - 1 - WINDOW) & (-keys.float().norm(dim=-1) < THRESHOLD)
+                before = DROPPED.get(layer, gone[..., :0])
+                DROPPED[layer] = torch.nn.functional.pad(before, (0, gone.shape[-1] - before.shape[-1])) | gone
+        start = stop
     every = [torch.nn.functional.pad(d, (0, ids.shape[1] - d.shape[-1])) for d in DROPPED.values()]
     kept = [[[(~d[b, h]).nonzero().flatten().tolist() for h in range(d.shape[1])] for b in range(d.shape[0])]
             for d in every]  # fmt: skip
@@ -67,14 +71,14 @@ def reference(ids: torch.Tensor, stops: list[int], decoding: bool) -> tuple[list
 
 @torch.no_grad()
 @pytest.mark.parametrize("decoding", [False, True])
-def test_threshold_equals_a_masked_full_cache_on_the_prompt_and_while_decoding(decoding):
+def test_threshold_equals_a_masked_full_cache_on_the_prompt_and_while_decoding(tiny, decoding):
     """A 30-token prompt, a 4-token question at once, then 6 decode steps: the logits of every forward and, per
     layer and KV head, the tokens held equal the re-implementation's; without ``decoding`` nothing goes after the
     prompt. Heads keep different numbers of tokens, and the bytes held follow what they hold."""
     ids = torch.randint(100, 4000, (2, 40), generator=torch.Generator().manual_seed(3))
     stops = [30, 34, *range(35, 41)]
-    expected, kept = reference(ids, stops, decoding)
-    model = load_model("tiny-llama", device="cpu")[0]
+    model, masked = tiny
+    expected, kept = reference(masked, ids, stops, decoding)
     policy = make_policy("dms", base="knorm", threshold=THRESHOLD, sliding_window=WINDOW, decoding=decoding)
     cache = EvictionCache(model, policy, protocol="context")
     logits, start = [], 0
@@ -100,10 +104,10 @@ def test_threshold_equals_a_masked_full_cache_on_the_prompt_and_while_decoding(d
 
 
 @torch.no_grad()
-def test_dropped_slots_are_freed_when_the_layout_regrows():
+def test_dropped_slots_are_freed_when_the_layout_regrows(tiny):
     """While decoding, the bytes a layer holds follow what its heads hold at each regrowth, not every token seen:
     70 steps past a 40-token prompt at a threshold that drops almost everything keep the layer near its window."""
-    model = load_model("tiny-llama", device="cpu")[0]
+    model = tiny[0]
     policy = make_policy("dms", base="knorm", threshold=0.0, sliding_window=WINDOW, decoding=True)
     cache = EvictionCache(model, policy, protocol="context")
     ids = torch.randint(100, 4000, (1, 110), generator=torch.Generator().manual_seed(4))
@@ -125,10 +129,9 @@ def test_threshold_compression_equals_the_row_loop(padding):
     expected = attend_chunk_reference(query, key, value, chunk)
     assert_same_result(attend_chunk(query, key, value, chunk), expected, chunk)
     assert (expected.kept < 16).any() and (expected.kept > chunk.capacity).any()
-    assert "policy:dms" in RULES  # the generic mechanism suites run its rule too
 
 
-def test_bad_thresholds_and_bases_are_refused_in_one_line():
+def test_bad_thresholds_and_bases_are_refused_in_one_line(tiny):
     cases = [
         ({"base": "knorm"}, "threshold=None"),
         ({"base": "knorm", "threshold": "low"}, "threshold='low'"),
@@ -141,9 +144,8 @@ def test_bad_thresholds_and_bases_are_refused_in_one_line():
         with pytest.raises(ConfigError, match=fragment) as error:
             make_policy("dms", **params)
         assert "\n" not in str(error.value)
-    model = load_model("tiny-llama", device="cpu")[0]
     with pytest.raises(ConfigError, match="use decoding=evict"):
-        EvictionCache(model, make_policy("dms", threshold=0.1, decoding=True), protocol="context", decoding="grow")
+        EvictionCache(tiny[0], make_policy("dms", threshold=0.1, decoding=True), protocol="context", decoding="grow")
     with pytest.raises(ConfigError, match="give threshold"):
         Rule(grows=True, drops=True)
 
