@@ -12,6 +12,7 @@ from test_eviction import assert_same_result
 from transformers import AttentionInterface, DynamicCache
 
 from h2o_eval import EvictionCache, load_model, make_policy
+from h2o_eval.capacity import CapacityLog
 from h2o_eval.chunks import attend_chunk
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import attend_chunk_reference
@@ -101,6 +102,11 @@ def test_threshold_equals_a_masked_full_cache_on_the_prompt_and_while_decoding(t
         assert torch.equal(counts, torch.stack(after_prompt) + 10)
     realised = torch.stack(cache.realised())
     assert torch.equal(realised, torch.stack(after_prompt).float())
+    log = CapacityLog()
+    log.add(cache)
+    shares = (torch.stack(after_prompt).float() / 30).mean((1, 2))  # per layer: over sequences and KV heads
+    assert log.stats()["layer_kept_fraction_mean"] == pytest.approx(shares.tolist())
+    assert log.stats()["kept_fraction_mean"] == pytest.approx(float(shares.mean()))
 
 
 @torch.no_grad()
@@ -158,3 +164,34 @@ def test_the_threshold_setting_wraps_the_configured_policy():
     assert configured_policy(dict(config, threshold=None)).name == "snapkv"
     with pytest.raises(ConfigError, match="ranks no tokens"):
         configured_policy(dict(config, policy={"name": "streaming"}))
+
+
+def test_reports_place_a_threshold_run_at_the_share_it_kept(tmp_path):
+    """A threshold run has no budget: its row names its threshold and sits at the share it kept; a leaderboard
+    cell of it sits at the mean of its tasks' shares (0.3 and 0.4 kept: compression ratio 0.65)."""
+    import json
+
+    from test_plot import long_record
+
+    from h2o_eval import plot, results
+    from h2o_eval.reports import tables
+
+    for task, kept in (("niah_single_2", 0.3), ("vt", 0.4)):
+        long_record(tmp_path, task, "full", 1.0, [[1]] * 4)
+        long_record(tmp_path, task, "knorm", 0.5, [[1]] * 3 + [[0]])
+        long_record(tmp_path, task, "knorm", 0.2, [[1]] * 2 + [[0]] * 2, settings={"threshold": -3.0})
+        path = tmp_path / f"{task}_knorm_0.2_context_4096.json"
+        results.write_record(path, {**json.loads(path.read_text()), "capacity": {"kept_fraction_mean": kept}})
+    rows = tables.table(results.load_records(tmp_path))
+    assert sorted((r["task"], r["policy"], tables.position(r)) for r in rows if r["kept"] is not None) == [
+        ("niah_single_2@4096", "knorm (threshold=-3.0)", 0.3),
+        ("vt@4096", "knorm (threshold=-3.0)", 0.4),
+    ]
+    plot.main([str(tmp_path), "--leaderboard", "--out", str(tmp_path / "plots")])
+    table = (tmp_path / "plots" / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
+    assert table[2] == "| policy | 0.5 | 0.65 |"
+    cells = {}
+    for line in table[4:]:
+        name, *values = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        cells[name] = [value.split(" [")[0] for value in values]
+    assert cells["knorm (threshold=-3.0)"] == ["", "50.0"] and cells["knorm"] == ["75.0", ""]
