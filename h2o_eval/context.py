@@ -147,9 +147,11 @@ def starting_scores(policy: Policy, key: torch.Tensor, position: torch.Tensor, l
 
 
 def arriving_scores(context: LayerContext, key: torch.Tensor, position: torch.Tensor, layer: int):
-    """Arriving tokens' scores [B, Hkv, n] where a rule that drops them by a threshold reads them
-    (:func:`starting_scores`); None where nothing reads them."""
-    return starting_scores(context.policy, key, position, layer) if context.rule.drops else None
+    """Arriving tokens' scores [B, Hkv, n] (``key`` [B, Hkv, n, D] at ``position``, broadcast to [B, Hkv, n]) where a
+    rule that drops them by a threshold reads them (:func:`starting_scores`); None where nothing reads them."""
+    if not context.rule.drops:
+        return None
+    return starting_scores(context.policy, key, position.expand(*key.shape[:3]), layer)
 
 
 def plan_tensors(policy: Policy, lengths: list[int], layer: int, context: LayerContext, shared: Sequences, device):

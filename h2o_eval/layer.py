@@ -223,12 +223,10 @@ class EvictionLayer(CacheLayerMixin):
         return attend(query, slots, scaling)
 
     def _append(self, query, key, value, scaling) -> torch.Tensor:
-        """One token per sequence into the next slot of growing buffers (each head's own, in a ragged layout), then
-        its attention; under a rule that drops, the token comes with its score, and what left the window goes."""
-        now = self.shared.last
+        """One token per sequence into the next slot of growing buffers (each head's own when ragged); its attention."""
+        now, context = self.shared.last, self.context
         if self.count is not None:
-            score = arriving_scores(self.context, key, now.expand(-1, key.shape[1], 1), self.layer_idx)
-            append_ragged(self.slots, key, value, now, self.count, score)
+            append_ragged(self.slots, key, value, now, self.count, arriving_scores(context, key, now, self.layer_idx))
         else:
             append(self.slots, key, value, now, self.fill)
         return self._drop(attend(query, self.slots, scaling))
@@ -511,7 +509,8 @@ class EvictionLayer(CacheLayerMixin):
         self.filled, self.count = slots.width, None
         if self.unbounded:
             if held.numel() and (self.context.rule.drops or bool((held.amax(-1) > held.amin(-1)).any())):
-                self._ragged(held.tolist(), 0)  # heads that hold (or may come to hold) different counts, as they are
+                drops = self.context.rule.drops  # its room now: its regrowths read the device (prepare_decode)
+                self._ragged(held.tolist(), bucket(self.most + 1) - self.most if drops else 0)  # heads as they are
                 return
             self.fill = torch.tensor([self.filled], dtype=torch.int64, device=slots.held.device)
             return

@@ -195,3 +195,19 @@ def test_reports_place_a_threshold_run_at_the_share_it_kept(tmp_path):
         name, *values = (cell.strip() for cell in line.strip().strip("|").split("|"))
         cells[name] = [value.split(" [")[0] for value in values]
     assert cells["knorm (threshold=-3.0)"] == ["", "50.0"] and cells["knorm"] == ["75.0", ""]
+
+
+@torch.no_grad()
+def test_a_decode_step_that_drops_reads_no_tensor_on_the_host(tiny):
+    """Dropping while decoding is tensor arithmetic: the steps after the prompt (within the room laid out after it)
+    read nothing on the host, as every policy's (tests/test_host_sync.py)."""
+    from test_host_sync import decode_reads
+
+    model, tokenizer = tiny[0], load_model("tiny-llama", device="cpu")[1]
+    prompt = torch.randint(5, 400, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    mask[0, :5] = 0
+    policy = make_policy("dms", threshold=THRESHOLD, sliding_window=WINDOW, decoding=True)
+    cache = EvictionCache(model, policy, protocol="context", kernels="torch")
+    assert decode_reads(model, tokenizer, cache, prompt, mask) == []
+    assert all(layer.count is not None for layer in cache.layers)  # the ragged layout, room included
