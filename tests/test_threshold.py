@@ -17,6 +17,7 @@ from h2o_eval.chunks import attend_chunk
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import attend_chunk_reference
 from h2o_eval.policies import Rule, configured_policy
+from h2o_eval.settings import policy_departures
 
 THRESHOLD = -0.6  # about the median of minus the tiny Llama's key norms: roughly half the old tokens go
 WINDOW = 8
@@ -162,6 +163,9 @@ def test_the_threshold_setting_wraps_the_configured_policy():
     assert policy.name == "dms" and policy.base.name == "snapkv" and policy.base.window == 8
     assert policy.threshold == 0.01 and policy.sliding_window == 128 and not policy.decoding
     assert configured_policy(dict(config, threshold=None)).name == "snapkv"
+    # Its record names what departs from the base's own YAML and dms's, not every parameter of the base.
+    departures = {"policy.threshold": 0.01, "policy.base.window": 8, "policy.base.name": "snapkv"}
+    assert policy_departures(policy.describe()) == departures
     with pytest.raises(ConfigError, match="ranks no tokens"):
         configured_policy(dict(config, policy={"name": "streaming"}))
 
