@@ -170,6 +170,17 @@ def test_the_threshold_setting_wraps_the_configured_policy():
         configured_policy(dict(config, policy={"name": "streaming"}))
 
 
+def test_records_without_a_threshold_keep_the_identity_they_had_before_the_setting():
+    from conftest import make_config
+
+    from h2o_eval import results
+
+    config = make_config(None, "results", model="tiny-llama", task="copa", policy="knorm", protocol="prefill")
+    before = {key: value for key, value in config.items() if key != "threshold"}  # a record made before it
+    assert config["threshold"] is None and results.identity(config) == results.identity(before)
+    assert results.identity(dict(config, threshold=-3.0)) != results.identity(config)
+
+
 def test_reports_place_a_threshold_run_at_the_share_it_kept(tmp_path):
     """A threshold run has no budget: its row names its threshold and sits at the share it kept; a leaderboard
     cell of it sits at the mean of its tasks' shares (0.3 and 0.4 kept: compression ratio 0.65)."""
