@@ -92,7 +92,7 @@ def kept_share(record: dict[str, Any]) -> float | None:
     """For a threshold run (``dms``), which has no budget, the share of the prompt it kept (the record's
     ``capacity.kept_fraction_mean``, to 4 decimals): where figures and leaderboards place it. None for the rest,
     placed at their budget (:func:`position`)."""
-    if record["policy_params"]["name"] != "dms":
+    if record.get("policy_params", {}).get("name") != "dms":
         return None
     return round(float(record["capacity"]["kept_fraction_mean"]), 4)
 
