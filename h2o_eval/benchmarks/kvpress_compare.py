@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
         heads, equal, difference = compare(mine, kvpress_result)
         if kvpress_result.get("ratio") is not None:  # a threshold: the compression ratio each side realised
             held = f"{held:g} (ratio {1 - held / len(case.context):.4f}, kvpress {kvpress_result['ratio']:.4f})"
+            end = sum(len(head) for layer in mine["end"] for head in layer) / sum(len(layer) for layer in mine["end"])
+            held += f", {end:g} at the end" if PRESSES[case.press].decoding else ""
         print(f"| {case.press} | {case.prompt} | {case.ratio} | {case.ties} | {len(case.context)} | {held} | "
               f"{heads} | {equal} | {difference:.2e} |", flush=True)  # fmt: skip
 
