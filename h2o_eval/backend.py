@@ -95,7 +95,7 @@ def patch(
     """
     check_supported(model)
     check_protocol(policy, protocol, kernels)
-    check_decoding(protocol, decoding)
+    check_decoding(protocol, decoding, policy)
     check_kernels(kernels, next(model.parameters()).device.type)
     session = Session(model, policy, protocol, kernels, decoding)
     previous = model.config._attn_implementation

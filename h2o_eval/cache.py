@@ -39,7 +39,7 @@ from h2o_eval.rerotation import inverse_frequencies
 
 def decoding_rule(policy: Policy, decoding: str) -> Rule:
     """The rule a cache decodes under: the policy's, or with ``decoding="grow"`` one that keeps every later token."""
-    return dataclasses.replace(policy.rule, grows=True) if decoding == "grow" else policy.rule
+    return dataclasses.replace(policy.rule, grows=True, drops=False) if decoding == "grow" else policy.rule
 
 
 class EvictionCache(Cache):
@@ -74,7 +74,7 @@ class EvictionCache(Cache):
     ) -> None:
         check_supported(model)
         check_protocol(policy, protocol, kernels)
-        check_decoding(protocol, decoding)
+        check_decoding(protocol, decoding, policy)
         if not policy.has_cache and not (one_forward and protocol == "simulate"):
             raise ConfigError(
                 f"policy {policy.name!r} exists only as a simulation of scoring, with no cache: use patch(..., "

@@ -36,8 +36,9 @@ class CapacityLog:
 
     def stats(self) -> dict[str, Any]:
         """The record's ``capacity``: C (mean over layers and KV heads) per sequence, its mean/min/max, the length
-        it applied to, the kept share, each layer's mean C, how unevenly KV heads were filled, and the bytes of
-        keys and values kept per sequence."""
+        it applied to, the kept share, each layer's mean C and kept share, how unevenly KV heads were filled, and
+        the bytes of keys and values kept per sequence. Under a threshold (``dms``) the kept shares are the ratio
+        it realised (1 - kvpress's compression ratio)."""
         kept = [sum(layers) / len(layers) for layers in self.layers]
         count = max(len(kept), 1)
         by_layer = list(zip(*self.layers, strict=True)) if self.layers else []
@@ -49,6 +50,10 @@ class CapacityLog:
             "capacity_max": max(kept, default=0),
             "kept_fraction_mean": sum(c / max(n, 1) for n, c in zip(self.lengths, kept, strict=True)) / count,
             "layer_capacity_mean": [sum(values) / len(values) for values in by_layer],
+            "layer_kept_fraction_mean": [
+                sum(c / max(n, 1) for n, c in zip(self.lengths, values, strict=True)) / len(values)
+                for values in by_layer
+            ],
             "head_spread_mean": sum(self.spreads) / max(len(self.spreads), 1),
             "kv_bytes_mean": sum(self.entries) / count * self.entry_bytes,
         }

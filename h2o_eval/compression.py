@@ -31,8 +31,8 @@ def compress(
     of the rest, the lowest (score, position) go until each KV head holds its C. With ``rule.safeguard`` the
     heads of the layer share their Hkv * C slots instead: each keeps its protected tokens and its
     floor(safeguard * C) best, the remaining slots go to the best of the layer (ties: lowest score, then smallest
-    position, then lowest head goes first). After the prompt, C is unbounded if the rule grows, else what each
-    head holds (at most its C).
+    position, then lowest head goes first). With ``rule.threshold`` every candidate scoring below it goes instead,
+    whatever C. After the prompt, C is unbounded if the rule grows, else what each head holds (at most its C).
     """
     batch, kv_heads, slots = scores.shape
     device = scores.device
@@ -43,6 +43,8 @@ def compress(
     if rescore is not None:
         scores = torch.where(active, rescore(scores, protected & active), scores)
     candidate = held & ~protected & active
+    if rule.threshold is not None:  # a rule with a threshold grows (Rule)
+        return held & ~(candidate & (scores < rule.threshold)), scores, torch.where(active[..., 0], UNBOUNDED, capacity)
     # Rank candidates per head, best first: higher score, then larger position (ties: the oldest goes).
     order = torch.argsort(-position, dim=-1, stable=True)
     order = order.gather(

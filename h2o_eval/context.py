@@ -101,6 +101,11 @@ class Sequences:
         self.last = self.last + arriving.sum(-1).view(-1, 1, 1)
         self.longest = int(self.last.max()) + 1
 
+    def note_padding(self, arriving: torch.Tensor) -> None:
+        """Note a padding token after the prompt, as a decode step would (a sliding layer's later chunks)."""
+        real = arriving.all(-1)
+        self.real = real if self.real is None else self.real & real
+
     def advance(self) -> None:
         """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
         self._limits = {}
@@ -141,6 +146,14 @@ def starting_scores(policy: Policy, key: torch.Tensor, position: torch.Tensor, l
     """Arriving tokens' scores [B, Hkv, n]: the policy's ``key_scores``, or 0."""
     scores = policy.key_scores(key, position, layer)
     return torch.zeros(position.shape, dtype=torch.float32, device=position.device) if scores is None else scores
+
+
+def arriving_scores(context: LayerContext, key: torch.Tensor, position: torch.Tensor, layer: int):
+    """Arriving tokens' scores [B, Hkv, n] (``key`` [B, Hkv, n, D] at ``position``, broadcast to [B, Hkv, n]) where a
+    rule that drops them by a threshold reads them (:func:`starting_scores`); None where nothing reads them."""
+    if not context.rule.drops:
+        return None
+    return starting_scores(context.policy, key, position.expand(*key.shape[:3]), layer)
 
 
 def plan_tensors(policy: Policy, lengths: list[int], layer: int, context: LayerContext, shared: Sequences, device):

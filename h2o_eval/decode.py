@@ -199,16 +199,33 @@ def append(slots: Slots, key: torch.Tensor, value: torch.Tensor, now: torch.Tens
     width.add_(1)
 
 
-def append_ragged(slots: Slots, key: torch.Tensor, value: torch.Tensor, now: torch.Tensor, count: torch.Tensor) -> None:
+def append_ragged(
+    slots: Slots,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    now: torch.Tensor,
+    count: torch.Tensor,
+    score: torch.Tensor | None = None,
+) -> None:
     """:func:`append` into a ragged layout (:func:`ragged`): each KV head's token into its next slot, ``count``
-    [B, Hkv] (on the device, then advanced), whose row its room holds."""
+    [B, Hkv] (on the device, then advanced), whose row its room holds; with its ``score`` [B, Hkv, 1] (None: the
+    slot's score is left as it was, for a rule that reads none)."""
     at = count.unsqueeze(-1)
     row = slots.entry.gather(-1, at).expand(-1, -1, key.shape[-1])
     slots.keys.scatter_(1, row, key[:, :, 0])
     slots.values.scatter_(1, row, value[:, :, 0])
     slots.held.scatter_(-1, at, True)
     slots.position.scatter_(-1, at, now.expand_as(at))
+    if score is not None:
+        slots.scores.scatter_(-1, at, score)
     count.add_(1)
+
+
+def drop(slots: Slots, limit: torch.Tensor, threshold: float) -> None:
+    """Free, in place, the held slots whose token is at most at ``limit`` [B, 1, 1] (= now - recent: it has left the
+    protected window) and whose score is below ``threshold`` (a threshold while decoding): they are no longer held,
+    and a layout's next regrowth leaves them out. Nothing is read on the host."""
+    slots.held.logical_and_((slots.position > limit) | (slots.scores >= threshold))
 
 
 def attend(query: torch.Tensor, slots: Slots, scaling: float) -> torch.Tensor:

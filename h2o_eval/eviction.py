@@ -16,6 +16,10 @@ cache): they attend in full, causally; their votes (the policy :class:`~h2o_eval
 3. the rule's ``decode_votes`` fold that attention, summed over the group's query heads, into the scores:
    added, replacing the previous ones, or not at all.
 
+A rule with a ``threshold`` compresses the prompt by it instead of C: every unprotected token scoring below it goes.
+One that also ``drops`` does so again at the end of every later forward, a step of the cache's layer
+(:func:`h2o_eval.decode.drop`), not of a chunk.
+
 Padding tokens (``arriving`` False) never enter. Scores start as the policy's ``key_scores`` (or 0).
 simulate = empty state, no prompt rows; prefill/context = the context's rows are prompt rows; decode = chunks
 of one token. :func:`attend_chunk_reference` states all of this as a plain loop over rows, one eviction at a time:
@@ -190,6 +194,13 @@ def _reference_compress(held, scores, position, capacity, chunk, now, compressin
         active = compressing.view(-1, 1, 1)
         scores = torch.where(active, chunk.rescore(scores, protected & held & active), scores)
     for b in torch.nonzero(compressing).flatten().tolist():
+        if rule.threshold is not None:
+            for h in range(kv_heads):
+                below = held[b, h] & ~protected[b, h] & (scores[b, h] < rule.threshold)
+                while bool(below.any()):
+                    victim = lowest(scores[b, h], position[b, h], below)
+                    held[b, h, victim] = below[victim] = False
+            continue
         if rule.safeguard is None:
             for h in range(kv_heads):
                 while int(held[b, h].sum()) > int(capacity[b, h]):

@@ -12,7 +12,8 @@ A layer holds :class:`~h2o_eval.decode.Slots`: keys/values [B, Hkv, S, D] and pe
   (:func:`~h2o_eval.decode.claim`); the attention and, for a rule that scores while decoding, the scores come from
   the decode-attention kernel, else from torch's fused attention over the held slots.
 - ``append``: one decode token per sequence into a cache that can no longer evict: it goes into the next slot of
-  buffers that grow in buckets (:func:`~h2o_eval.decode.append`), and attends through torch's fused attention.
+  buffers that grow in buckets (:func:`~h2o_eval.decode.append`), and attends through torch's fused attention
+  (under a threshold that drops, what left the window below it is freed after: :func:`~h2o_eval.decode.drop`).
 - ``window``: a sliding layer of a model that also has global layers keeps its last ``window`` - 1 tokens, as
   transformers' own sliding cache does, and the policy does not touch it.
 - ``rehearse``: an extra pass over a deferred prompt (KVzip's repeat): it attends, scores the held slots, and its
@@ -36,8 +37,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from h2o_eval.attention import check_kv_heads, check_window, key_validity, plain_attention
 from h2o_eval.compression import compress
-from h2o_eval.context import LayerContext, Sequences, first_plan, starting_scores
-from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, ragged, widened
+from h2o_eval.context import LayerContext, Sequences, arriving_scores, first_plan, starting_scores
+from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, drop, ragged, widened
 from h2o_eval.eviction import Chunk
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
@@ -105,9 +106,7 @@ class EvictionLayer(CacheLayerMixin):
 
     def kv_bytes(self) -> int:
         """Bytes of the keys and values this layer has allocated (a growing layer's spare slots included)."""
-        if not self.is_initialized:
-            return 0
-        return 2 * self.slots.keys.numel() * self.slots.keys.element_size()
+        return 2 * self.slots.keys.numel() * self.slots.keys.element_size() if self.is_initialized else 0
 
     @property
     def held(self) -> torch.Tensor:
@@ -130,9 +129,8 @@ class EvictionLayer(CacheLayerMixin):
         shared = self.shared
         if shared.deferred and self.seen and shared.rehearsing is None:
             raise RuntimeError(
-                f"policy {self.context.policy.name!r} compresses its prompt after extra passes, which have not run: "
-                "call h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more "
-                "tokens"
+                f"policy {self.context.policy.name!r} compresses its prompt after extra passes, not yet run: call "
+                "h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more tokens"
             )
         self.pending = (key_states, value_states)
         return self.pending
@@ -223,13 +221,19 @@ class EvictionLayer(CacheLayerMixin):
         return attend(query, slots, scaling)
 
     def _append(self, query, key, value, scaling) -> torch.Tensor:
-        """One token per sequence into the next slot of growing buffers (each head's own, in a ragged layout), then
-        its attention."""
+        """One token per sequence into the next slot of growing buffers (each head's own when ragged); its attention."""
+        now, context = self.shared.last, self.context
         if self.count is not None:
-            append_ragged(self.slots, key, value, self.shared.last, self.count)
+            append_ragged(self.slots, key, value, now, self.count, arriving_scores(context, key, now, self.layer_idx))
         else:
-            append(self.slots, key, value, self.shared.last, self.fill)
-        return attend(query, self.slots, scaling)
+            append(self.slots, key, value, now, self.fill)
+        return self._drop(attend(query, self.slots, scaling))
+
+    def _drop(self, output=None):
+        """End a forward (returns ``output``): a rule that drops frees what left the window below its threshold."""
+        if self.context.rule.drops:
+            drop(self.slots, self.shared.limit(self.plan["recent"]), self.context.rule.threshold)
+        return output
 
     def advance(self) -> None:
         """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
@@ -268,7 +272,9 @@ class EvictionLayer(CacheLayerMixin):
         if self.unbounded and self.count is not None:
             if self.room_left > 0:
                 return False
-            counts = [[count + self.grown for count in row] for row in self.counts]
+            held = self.slots.held.sum(-1).tolist() if self.context.rule.drops else None  # one read per bucket
+            counts = held or [[count + self.grown for count in row] for row in self.counts]  # (drops free slots)
+            self.most = max(max(row) for row in counts)
             self._ragged(counts, bucket(self.most + 1) - self.most)  # a bucket's room for every head, as dense grow
             return True
         if self.unbounded:
@@ -316,7 +322,8 @@ class EvictionLayer(CacheLayerMixin):
         new_position = sequences.positions(arriving).unsqueeze(1).expand(batch, kv_heads, n)
         keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
         if first and sequences.deferred or not self.moved and self._evicts_nothing(first, arriving):
-            self._keep_all(keys, values, arriving, new_position)  # a deferred prompt is compressed after its passes
+            fresh = arriving_scores(context, key, new_position, self.layer_idx)
+            self._drop(self._keep_all(keys, values, arriving, new_position, fresh))  # a deferred prompt: after passes
             self.unbounded = not self.moved and bool((self.plan["capacity"] >= UNBOUNDED).all())
             return plain_attention(module, query, keys, values, attention_mask, scaling) if output else None
         position = torch.cat([slots.position, new_position], dim=-1).contiguous()
@@ -368,7 +375,7 @@ class EvictionLayer(CacheLayerMixin):
         self._keep(Slots(keys, values, result.held, position, result.scores), entered)
         if result.kept is not None:  # a prompt was compressed: the policy may turn the keys it kept
             self.slots = rerotated(self.slots, self.shared.last, context.rerotation, self.layer_idx)
-        return result.output
+        return self._drop(result.output)
 
     def _ragged(self, counts: list[list[int]], room: int) -> None:
         """Lay out a growing layer whose heads hold ``counts`` tokens (per sequence and KV head) ragged, with ``room``
@@ -448,15 +455,15 @@ class EvictionLayer(CacheLayerMixin):
         if bool((capacity >= UNBOUNDED).all()):
             return True
         context = self.context
-        if not (first and context.one_forward):
+        if not (first and context.one_forward) or context.rule.threshold is not None:
             return False
         lengths = self.shared.lengths
         limit = torch.tensor(lengths, device=capacity.device) if context.rule.grows else arriving.sum(-1)
         return bool((capacity >= limit.view(-1, 1)).all())
 
-    def _keep_all(self, key, value, arriving, new_position=None) -> None:
+    def _keep_all(self, key, value, arriving, new_position=None, fresh=None) -> None:
         """Hold every arriving token (a chunk that evicts nothing) of ``key``/``value`` (the state's slots and the
-        chunk's); their scores stay 0, as nothing reads them."""
+        chunk's); their scores are ``fresh`` [B, Hkv, n], or 0 where nothing reads them."""
         slots = self._compacted()
         batch, kv_heads, n = key.shape[0], key.shape[1], arriving.shape[1]
         position = slots.position if new_position is None else torch.cat([slots.position, new_position], dim=-1)
@@ -467,7 +474,7 @@ class EvictionLayer(CacheLayerMixin):
             value,
             torch.cat([slots.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1),
             position,
-            torch.cat([slots.scores, slots.scores.new_zeros(batch, kv_heads, n)], dim=-1),
+            torch.cat([slots.scores, slots.scores.new_zeros(batch, kv_heads, n) if fresh is None else fresh], dim=-1),
         )
 
     def _attend_window(self, module, query, key, value, attention_mask, scaling, arriving, output=True):
@@ -476,7 +483,7 @@ class EvictionLayer(CacheLayerMixin):
         slots = self.slots
         keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
         if slots.width:
-            self.faults_seen(arriving)
+            self.shared.note_padding(arriving)
         mask = None if attention_mask is None else attention_mask[..., -keys.shape[2] :]
         result = plain_attention(module, query, keys, values, mask, scaling) if output else None
         keep = min(keys.shape[2], self.window - 1)
@@ -490,12 +497,6 @@ class EvictionLayer(CacheLayerMixin):
         )
         return result
 
-    def faults_seen(self, arriving: torch.Tensor) -> None:
-        """Note a padding token after the prompt, as a decode step would (a sliding layer's later chunks)."""
-        real = arriving.all(-1)
-        sequences = self.shared
-        sequences.real = real if sequences.real is None else sequences.real & real
-
     def _settled(self) -> None:
         """After a chunk or a compression (where reading the device is allowed): the host counts the next decode
         steps go by, the peak so far, and the layout they decode in (:func:`~h2o_eval.decode.bounded`)."""
@@ -508,8 +509,9 @@ class EvictionLayer(CacheLayerMixin):
         plan = self.plan
         self.filled, self.count = slots.width, None
         if self.unbounded:
-            if held.numel() and bool((held.amax(-1) > held.amin(-1)).any()):  # heads hold different counts
-                self._ragged(held.tolist(), 0)  # exactly what the heads hold, until a decode step asks for room
+            if held.numel() and (self.context.rule.drops or bool((held.amax(-1) > held.amin(-1)).any())):
+                drops = self.context.rule.drops  # its room now: its regrowths read the device (prepare_decode)
+                self._ragged(held.tolist(), bucket(self.most + 1) - self.most if drops else 0)  # heads as they are
                 return
             self.fill = torch.tensor([self.filled], dtype=torch.int64, device=slots.held.device)
             return

@@ -78,6 +78,8 @@ def record_identity(record: dict[str, Any]) -> dict[str, Any]:
 
 def _identity(config: dict[str, Any], built_policy: dict[str, Any], data_hash: str) -> dict[str, Any]:
     ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY and key != "generation"}
+    if ident.get("threshold", 0) is None:  # no threshold: the identity of the records made before the setting
+        del ident["threshold"]
     ident["task"] = {key: value for key, value in config["task"].items() if key != "include_path"}
     ident |= runner_of(config["task"]).identity(config)
     ident["built_policy"] = built_policy

@@ -89,7 +89,7 @@ def validate(config: dict[str, Any]) -> Spec:
     if (reason := runner.refusal(task, policy)) is not None:
         raise ConfigError(f"policy={policy.name} {reason}")
     check_protocol(policy, protocol, config["kernels"])
-    check_decoding(protocol, config["decoding"])
+    check_decoding(protocol, config["decoding"], policy)
     from h2o_eval.models import check_available, resolve_device, resolve_dtype
 
     device = resolve_device(config["device"])
@@ -365,8 +365,9 @@ def summary_line(record: dict[str, Any], found: dict[str, Any]) -> str:
     if (count := settings.questions(config)) is not None:
         task += f" ({config['task']['length']} tokens, {settings.questions_label(count)})"
     protocol = record["protocol"] + (f" decoding={config['decoding']}" if record["protocol"] != "simulate" else "")
+    budget = "no budget" if record["policy_params"]["name"] == "dms" else f"budget={record['budget']}"  # a threshold
     return (
-        f"{record['model']} | {task} | {' '.join([record['policy'], *params])} budget={record['budget']}{kept} "
+        f"{record['model']} | {task} | {' '.join([record['policy'], *params])} {budget}{kept} "
         f"{protocol} {record['num_fewshot']}-shot{''.join(f' {o}' for o in others)} "
         f"| n={record['n_samples']} | {scores} | {record['wall_seconds']:.1f} s"
     )

@@ -55,6 +55,9 @@ def policy_departures(built: Mapping[str, Any]) -> dict[str, Any]:
     from h2o_eval.policies import make_policy
 
     params = _group("policy").get(built["name"], {})
+    if built["name"] == "dms":  # a threshold's base at its own YAML's parameters (its name departs from dms's YAML)
+        own = {key: value for key, value in params.items() if key not in ("name", "base")}
+        params = {**_group("policy").get(built["base"]["name"], {}), **own, "base": built["base"]["name"]}
     try:
         default = make_policy(
             built["name"], built.get("budget", 1.0), rounding=built.get("rounding", "up"),
@@ -64,12 +67,15 @@ def policy_departures(built: Mapping[str, Any]) -> dict[str, Any]:
         default = {}
     own, usual = flatten(built), flatten(default)
     ignored = ("name", "budget", "rounding")
-    return {
+    found = {
         f"policy.{key}": value
         for key, value in own.items()
         if key.rsplit(".", 1)[-1] not in ignored or key == "base.name"
         if key not in usual or usual[key] != value
     }
+    if built["name"] == "dms" and built["base"]["name"] != _group("policy")["dms"]["base"]:
+        found["policy.base.name"] = built["base"]["name"]
+    return found
 
 
 def departures(config: Mapping[str, Any], built_policy: Mapping[str, Any]) -> dict[str, Any]:

@@ -360,11 +360,11 @@ def test_prompt_compressing_policies_refuse_simulate_in_one_line(models, name):
     model = models("tiny-llama")
     with (
         pytest.raises(ConfigError, match=rf"^policy '{name}' exists only in the prefill and context protocols: use "),
-        patch(model, make_policy(name), protocol="simulate"),
+        patch(model, example_policy(name), protocol="simulate"),
     ):
         pass
     with pytest.raises(ConfigError, match="exists only in the prefill and context protocols"):
-        EvictionCache(model, make_policy(name, budget=8))
+        EvictionCache(model, example_policy(name, budget=8))
 
 
 def eager_attentions(model, ids):

@@ -224,6 +224,7 @@ CAPACITY_FIELDS = {
     "capacity_max",
     "kept_fraction_mean",
     "layer_capacity_mean",
+    "layer_kept_fraction_mean",
     "head_spread_mean",
     "kv_bytes_mean",
 }

@@ -65,13 +65,14 @@ def test_every_plan_leaves_room_for_an_eviction_candidate():
         for length in (1, 2, 5, 17, 64):
             for budget in (0.05, 0.2, 0.5, 1.0, 1, 3):
                 params = {"sinks": min(4, budget - 1)} if name == "streaming" and isinstance(budget, int) else {}
+                params = POLICIES[name].example if name == "dms" else params  # a threshold instead of a budget
                 policy = make_policy(name, budget=budget, **params)
                 for layer in range(3):
                     plan = policy.plan(length, layer, 3)
                     assert plan.recent + plan.sinks <= plan.capacity
                     # a policy that evicts while decoding protects the token it is feeding
                     assert plan.recent >= 1 or policy.rule.grows, name
-                    assert plan.capacity <= length or isinstance(budget, int) or name == "full"
+                    assert plan.capacity <= length or isinstance(budget, int) or name in ("full", "dms")
 
 
 def test_unknown_policy_lists_the_valid_names():

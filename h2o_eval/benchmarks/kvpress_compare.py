@@ -47,6 +47,7 @@ feeds the question one token at a time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -76,6 +77,8 @@ class Press:
     rerotated: bool = False  # the question's positions continue from the compressed length (key re-rotation)
     ties: bool = False  # also run kvpress with ties broken towards the newest token
     layered: bool = False  # the ratio differs by layer (:func:`layer_ratios`): kvpress's PerLayerCompressionPress
+    threshold: bool = False  # DMSPress: the "ratio" is a score threshold (h2o_eval's dms)
+    decoding: bool = False  # the press acts while decoding too (DMSPress(decoding=True); h2o_eval's decoding=evict)
 
 
 def layer_ratios(ratio: float, layers: int) -> list[float]:
@@ -138,6 +141,16 @@ PRESSES: dict[str, Press] = {
     "key_rerotation_knorm": Press(
         "key_rerotation", {"base": "knorm"}, lambda kv, r: kv.KeyRerotationPress(kv.KnormPress(compression_ratio=r)),
         rerotated=True, ties=True,
+    ),
+    "dms_knorm": Press(
+        "dms", {"base": "knorm"}, lambda kv, t: kv.DMSPress(kv.KnormPress(), threshold=t), threshold=True
+    ),
+    "dms_knorm_decoding": Press(
+        "dms", {"base": "knorm", "decoding": True},
+        lambda kv, t: kv.DMSPress(kv.KnormPress(), threshold=t, decoding=True), threshold=True, decoding=True,
+    ),
+    "dms_keydiff": Press(
+        "dms", {"base": "keydiff"}, lambda kv, t: kv.DMSPress(kv.KeyDiffPress(), threshold=t), threshold=True
     ),
 }  # fmt: skip
 
@@ -226,23 +239,24 @@ def greedy(step: Callable[[list[int], list[int]], torch.Tensor], case: Case, sta
 
 @torch.no_grad()
 def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[str, Any]:
-    """The case through h2o_eval's public API: its policy at budget 1 - ratio, ``rounding=down``, as an
-    ``EvictionCache`` with ``decoding=grow``; the kept positions of every (layer, KV head), the greedy tokens and
-    their logits."""
+    """The case through h2o_eval's public API: its policy at budget 1 - ratio, ``rounding=down`` (a threshold
+    press: ``dms`` at the threshold ``ratio``), as an ``EvictionCache`` with ``decoding=grow`` (``evict`` for a
+    press that acts while decoding); the kept positions of every (layer, KV head) after the prompt and at the end,
+    the greedy tokens and their logits."""
     from h2o_eval import EvictionCache, make_policy
 
     press = PRESSES[case.press]
     params = dict(press.params, **({"window": case.window} if press.delimiter else {}))
     if press.layered:
         params["budgets"] = [1 - ratio for ratio in layer_ratios(case.ratio, model.config.num_hidden_layers)]
-    policy = make_policy(press.policy, 1 - case.ratio, rounding="down", **params)
+    if press.threshold:
+        policy = make_policy(press.policy, threshold=case.ratio, **params)
+    else:
+        policy = make_policy(press.policy, 1 - case.ratio, rounding="down", **params)
     protocol = "prefill" if press.query_aware else "context"
-    cache = EvictionCache(model, policy, protocol=protocol, decoding="grow")
+    cache = EvictionCache(model, policy, protocol=protocol, decoding="evict" if press.decoding else "grow")
     model(torch.tensor([case.context]), cache=cache, use_cache=True)
-    kept = [
-        [sorted(layer.position[0, head][layer.held[0, head]].tolist()) for head in range(layer.held.shape[1])]
-        for layer in cache.layers
-    ]
+    kept = _held(cache)
 
     def step(ids: list[int], positions: list[int]) -> torch.Tensor:
         out = model(torch.tensor([ids]), cache=cache, position_ids=torch.tensor([positions]), use_cache=True)
@@ -251,7 +265,15 @@ def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[st
     # Re-rotated keys end at the prompt's last token, so the question follows it (kvpress: from the kept count).
     start = len(case.context) if press.rerotated else len(case.compressed)
     tokens, logits = greedy(step, case, start, new_tokens, stop)
-    return {"kept": kept, "tokens": tokens, "logits": logits}
+    return {"kept": kept, "end": _held(cache), "tokens": tokens, "logits": logits}
+
+
+def _held(cache: Any) -> list[list[list[int]]]:
+    """Per layer and KV head the positions an ``EvictionCache`` holds."""
+    return [
+        [sorted(layer.position[0, head][layer.held[0, head]].tolist()) for head in range(layer.held.shape[1])]
+        for layer in cache.layers
+    ]
 
 
 def kvpress_side(folder: str, jobs: list[Case], new_tokens: int, stop: int) -> list[dict[str, Any]]:
@@ -312,6 +334,7 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
         kept = [[sorted(head) for head in rerotated[layer]] for layer in range(len(cache.layers))]
     else:
         kept = _kept(model, cache, full)
+    ratio = press.compression_ratio if PRESSES[case.press].threshold else None
     start = cache.get_seq_length() if PRESSES[case.press].rerotated else len(case.compressed)
 
     # Layers of different lengths: the SDPA mask transformers builds for several tokens fits the first layer only
@@ -326,8 +349,11 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
                 )  # fmt: skip
         return out.logits[0, -1].float()
 
-    tokens, logits = greedy(step, case, start, new_tokens, stop)
-    return {"kept": kept, "tokens": tokens, "logits": logits}
+    decoding = press(model) if PRESSES[case.press].decoding else contextlib.nullcontext()
+    with decoding:  # as kvpress's pipeline runs DMSPress(decoding=True)
+        tokens, logits = greedy(step, case, start, new_tokens, stop)
+    end = _kept(model, cache, [layer.keys[0] for layer in cache.layers]) if PRESSES[case.press].decoding else None
+    return {"kept": kept, "end": end, "ratio": ratio, "tokens": tokens, "logits": logits}
 
 
 def _kept(model: Any, cache: Any, full: list[torch.Tensor]) -> list[list[list[int]]]:
@@ -393,10 +419,16 @@ def _newest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True
 
 
 def compare(mine: dict[str, Any], theirs: dict[str, Any]) -> tuple[str, bool, float]:
-    """(layer-head pairs keeping the same tokens, tokens equal, the largest logit difference over the steps both
-    sides reached with the same tokens)."""
-    pairs = [(a, b) for la, lb in zip(mine["kept"], theirs["kept"], strict=True) for a, b in zip(la, lb, strict=True)]
-    heads = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    """(layer-head pairs keeping the same tokens, after the prompt and, for a press that acts while decoding, at the
+    end; tokens equal; the largest logit difference over the steps both sides reached with the same tokens)."""
+
+    def equal(mine_kept: list, theirs_kept: list) -> str:
+        pairs = [(a, b) for la, lb in zip(mine_kept, theirs_kept, strict=True) for a, b in zip(la, lb, strict=True)]
+        return f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+
+    heads = equal(mine["kept"], theirs["kept"])
+    if theirs.get("end") is not None:
+        heads += f", at the end {equal(mine['end'], theirs['end'])}"
     same = 0
     while same < min(len(mine["tokens"]), len(theirs["tokens"])) and mine["tokens"][same] == theirs["tokens"][same]:
         same += 1
@@ -471,7 +503,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"kvpress fails: {kvpress_result['error'][:80]} | | |", flush=True)  # fmt: skip
             continue
         heads, equal, difference = compare(mine, kvpress_result)
-        print(f"| {case.press} | {case.prompt} | {case.ratio} | {case.ties} | {len(case.context)} | {held:g} | "
+        if kvpress_result.get("ratio") is not None:  # a threshold: the compression ratio each side realised
+            held = f"{held:g} (ratio {1 - held / len(case.context):.4f}, kvpress {kvpress_result['ratio']:.4f})"
+            end = sum(len(head) for layer in mine["end"] for head in layer) / sum(len(layer) for layer in mine["end"])
+            held += f", {end:g} at the end" if PRESSES[case.press].decoding else ""
+        print(f"| {case.press} | {case.prompt} | {case.ratio} | {case.ties} | {len(case.context)} | {held} | "
               f"{heads} | {equal} | {difference:.2e} |", flush=True)  # fmt: skip
 
 

@@ -107,9 +107,15 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
 
 def configured_policy(config: Mapping[str, Any]) -> Policy:
     """The policy a run's config names: its ``policy`` group (the name and the policy's own parameters) at its
-    ``budget``, rounded as its ``rounding`` says."""
+    ``budget``, rounded as its ``rounding`` says; with a ``threshold`` (not null), that policy as the base of
+    ``dms`` at that threshold instead of a budget."""
     params = {key: value for key, value in config["policy"].items() if key != "name"}
-    return make_policy(config["policy"]["name"], budget=config["budget"], rounding=config["rounding"], **params)
+    name = config["policy"]["name"]
+    if config.get("threshold") is not None:
+        params, name = {"base": name, "threshold": config["threshold"], **params}, "dms"
+        if params["base"] == "dms":
+            raise ConfigError("threshold=... wraps the policy in dms, and policy=dms has its own: give one of them")
+    return make_policy(name, budget=config["budget"], rounding=config["rounding"], **params)
 
 
 def example_policy(name: str, budget: float | int = 0.5) -> Policy:

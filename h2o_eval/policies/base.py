@@ -116,6 +116,11 @@ class Rule:
         heads: :class:`Heads`: each KV head counts its own query heads' votes and keeps its own tokens, or every
             KV head gets the votes of all the layer's query heads summed, so the heads of a layer, starting alike
             (an empty cache, one capacity), keep one set of tokens (TOVA as its authors run it).
+        threshold: ``None``: a prompt is compressed to C. A number: a score threshold instead of C (kvpress's
+            DMSPress): when a prompt is compressed, each unprotected token scoring below it goes, whatever C;
+            heads then hold different numbers of tokens.
+        drops: with ``threshold``, also at the end of every later forward: each held token that has left the
+            protected recent window by then and scores below the threshold goes (its slot is freed).
 
     String values are accepted and checked (``Rule(votes="windw")`` is refused in one line).
     """
@@ -128,6 +133,8 @@ class Rule:
     grows: bool = False
     safeguard: float | None = None
     heads: Heads = Heads.KV
+    threshold: float | None = None
+    drops: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (("votes", Votes), ("combine", Combine), ("heads", Heads), ("pooling", Pooling)):
@@ -138,6 +145,13 @@ class Rule:
         check_number("Rule", "kernel_size", self.kernel_size, integer=True, low=1)
         if self.safeguard is not None:
             check_number("Rule", "safeguard", self.safeguard, low=0, high=1)
+        if self.threshold is not None:
+            check_number("Rule", "threshold", self.threshold)
+        check_flag("Rule", "drops", self.drops)
+        if self.threshold is not None and not self.grows:
+            raise ConfigError("Rule: threshold=T keeps every token it spares after the prompt: add grows=True")
+        if self.drops and self.threshold is None:
+            raise ConfigError("Rule: drops=True drops tokens below a threshold: give threshold=T")
 
     @property
     def decode_votes(self) -> DecodeVote:
@@ -348,10 +362,16 @@ def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:
         raise ConfigError(f"kernels={kernels!r}: use one of {', '.join(KERNELS)}")
 
 
-def check_decoding(protocol: str, decoding: str) -> None:
-    """Refuse a decoding rule that does not exist, or ``grow`` where nothing is compressed (simulate)."""
+def check_decoding(protocol: str, decoding: str, policy: Policy | None = None) -> None:
+    """Refuse a decoding rule that does not exist, ``grow`` where nothing is compressed (simulate), or ``grow`` for
+    a ``policy`` that drops tokens while decoding (a threshold's ``decoding=true``)."""
     if decoding not in DECODINGS:
         raise ConfigError(f"decoding={decoding!r}: use one of {', '.join(DECODINGS)}")
+    if decoding == "grow" and policy is not None and policy.rule.drops:
+        raise ConfigError(
+            f"policy {policy.name!r} drops tokens below its threshold while decoding, and decoding=grow keeps every "
+            "token after the prompt: use decoding=evict (or policy.decoding=false)"
+        )
     if decoding == "grow" and protocol == "simulate":
         raise ConfigError(
             "decoding=grow keeps every token after a prompt's compression, and simulate compresses none: use "

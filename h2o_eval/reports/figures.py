@@ -12,7 +12,7 @@ from typing import Any
 from h2o_eval import stats
 from h2o_eval.figures import save
 from h2o_eval.reports.headline import questions_named
-from h2o_eval.reports.tables import limit_label, limit_order, mixed_limits, setting_key
+from h2o_eval.reports.tables import limit_label, limit_order, mixed_limits, position, setting_key
 
 BUDGET_SHARE = {"simulate": "the sequence", "prefill": "the prompt", "context": "the context"}
 REFERENCE_POLICIES = ("full", "oracle")
@@ -151,7 +151,7 @@ def _draw_points(ax: Any, points: list[dict[str, Any]], transform: Any, **style:
     """One line of a figure in ``style`` (its label, color, linestyle and markersize): its points with their
     stderr as error bars, drawn through the sideways-shifted ``transform``, the ``ringed`` ones circled."""
     ax.errorbar(
-        [100 * p["budget"] for p in points],
+        [100 * position(p) for p in points],
         [p["value"] for p in points],
         yerr=[p["stderr"] or 0.0 for p in points],
         marker="o",
@@ -160,11 +160,11 @@ def _draw_points(ax: Any, points: list[dict[str, Any]], transform: Any, **style:
         **style,
     )
     ax.update_datalim(  # an offset transform keeps the points out of autoscaling
-        [(100 * p["budget"], p["value"] + sign * (p["stderr"] or 0.0)) for p in points for sign in (-1, 1)]
+        [(100 * position(p), p["value"] + sign * (p["stderr"] or 0.0)) for p in points for sign in (-1, 1)]
     )
     ringed = [p for p in points if p["ringed"]]
     ax.scatter(
-        [100 * p["budget"] for p in ringed],
+        [100 * position(p) for p in ringed],
         [p["value"] for p in ringed],
         s=160,
         facecolors="none",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import stats
-from h2o_eval.reports.tables import limit_label, limit_order, percent, policies_per_task
+from h2o_eval.reports.tables import limit_label, limit_order, mean_kept, percent, policies_per_task
 from h2o_eval.settings import questions_label
 
 RULER_TASKS = (
@@ -76,11 +76,13 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
                 "scores": {},
                 "limits": {},
                 "questions": {},
+                "kept_by_task": {},
             },
         )
         task = row["task"].rsplit("@", 1)[0]
         limits.setdefault((row["model"], row["length"], task), set()).add(row["limit"])
         setting["limits"][task] = row["limit"]
+        setting["kept_by_task"][task] = row.get("kept")
         if policy == row["policy_without_questions"]:
             setting["questions"][task] = row["questions"]
         documents, values = zip(*scores.values(), strict=True)
@@ -96,6 +98,7 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
     for setting in settings.values():
         setting["tasks"] = dict(sorted(setting["tasks"].items(), key=lambda item: task_order(item[0])))
         setting["mean"] = stats.mean_over_tasks([setting["scores"][task] for task in setting["tasks"]])
+        setting["kept"] = mean_kept(setting["kept_by_task"])
     return sorted(
         settings.values(),
         key=lambda s: (s["model"], s["protocol"], s["length"], s["method"] != "full", s["policy"], -s["budget"]),

@@ -21,7 +21,7 @@ from h2o_eval.reports.headline import (
     task_order,
     tasks_label,
 )
-from h2o_eval.reports.tables import shared_note
+from h2o_eval.reports.tables import mean_kept, position, shared_note
 
 
 def _ratio(budget: float) -> float:
@@ -63,6 +63,7 @@ def _narrowed(setting: dict[str, Any], tasks: set[str]) -> dict[str, Any]:
         "questions": {task: count for task, count in setting["questions"].items() if task in kept},
         "scores": {task: setting["scores"][task] for task in kept},
         "mean": stats.mean_over_tasks([setting["scores"][task] for task in kept]),
+        "kept": mean_kept({task: setting["kept_by_task"][task] for task in kept}),
         "left_out": left_out,
     }
 
@@ -105,7 +106,7 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
     column per compression ratio, each cell the mean over the leaderboard's tasks x100 with its 95 % interval;
     the tasks some cells lack are named, with how many cells have them."""
     tasks = sorted({task for s in group for task in s["tasks"]}, key=task_order)
-    ratios = sorted({_ratio(s["budget"]) for s in group if s["method"] != "full"})
+    ratios = sorted({_ratio(position(s)) for s in group if s["method"] != "full"})
     lines = [
         f"Leaderboard: {_leaderboard_title(key, group)}. Each cell: the unweighted mean over tasks of the score "
         f"x100 with its 95 % interval resampling documents within each task ({stats.RESAMPLES:,} resamples, seed "
@@ -126,7 +127,7 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
         cells = []
         for ratio in ratios:
             found = [
-                s for s in group if s["policy"] == policy and (s["method"] == "full" or _ratio(s["budget"]) == ratio)
+                s for s in group if s["policy"] == policy and (s["method"] == "full" or _ratio(position(s)) == ratio)
             ]
             cells.append(estimate_label(found[0]["mean"]) if found else "")
         name = {"full": "full (ceiling)", "oracle": ORACLE_LABEL}.get(policy, policy)
@@ -159,7 +160,7 @@ def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
             **{key: s[key] for key in HEADLINE_KEYS},
             "limits": limits_label(s["limits"]),
             "per_context": questions_note(s["questions"]),
-            "ratio": _ratio(s["budget"]),
+            "ratio": _ratio(position(s)),
             "tasks": len(s["tasks"]),
             "score": round(s["mean"].value, 4),
             "low": round(s["mean"].low, 4),
@@ -168,7 +169,7 @@ def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "questions": s["mean"].n,
         }
         for policy in _leaderboard_order(group)
-        for s in sorted((s for s in group if s["policy"] == policy), key=lambda s: -s["budget"])
+        for s in sorted((s for s in group if s["policy"] == policy), key=lambda s: -position(s))
     ]
 
 
@@ -184,11 +185,11 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
     for s in group[:1] if group[0]["method"] == "full" else []:
         ax.axhline(s["mean"].value, color="black", linestyle="--", linewidth=1.2, label="full cache")
     for number, policy in enumerate(policies):
-        points = sorted((s for s in group if s["policy"] == policy), key=lambda s: -s["budget"])
+        points = sorted((s for s in group if s["policy"] == policy), key=lambda s: -position(s))
         values = [s["mean"].value for s in points]
         oracle = method[policy] == "oracle"
         ax.errorbar(
-            [_ratio(s["budget"]) for s in points],
+            [_ratio(position(s)) for s in points],
             values,
             yerr=[
                 [v - s["mean"].low for v, s in zip(values, points, strict=True)],
@@ -203,7 +204,7 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
             transform=offset(ax, number, len(policies)),
         )
     tasks = sorted({task for s in group for task in s["tasks"]}, key=task_order)
-    ratios = sorted({_ratio(s["budget"]) for s in group if s["method"] != "full"})
+    ratios = sorted({_ratio(position(s)) for s in group if s["method"] != "full"})
     ax.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios])
     ax.set_xlim(min(ratios) - 0.1, max(ratios) + 0.1)
     ax.set(

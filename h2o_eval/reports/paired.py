@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import stats
-from h2o_eval.reports.tables import mixed_limits, percent, policies_per_task, setting_key
+from h2o_eval.reports.tables import mean_kept, mixed_limits, percent, policies_per_task, setting_key
 
 
 def _baseline(rows: list[dict[str, Any]], row: dict[str, Any], against: str) -> dict[str, Any] | None:
@@ -67,6 +67,7 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
                     "protocol": protocol,
                     "policy": policy,
                     "budget": budget,
+                    "kept": mean_kept({row["task"]: row.get("kept") for row in group}),
                     "metric": metric,
                     "value": sum(row["value"] for row in group) / len(group),
                     "limit": None,

@@ -35,6 +35,9 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
     names another, sorted by task, model, protocol, policy and budget. A long-context task is one task per prompt
     length (``niah_single@4096``): its documents, and so its comparisons, differ with it.
 
+    A threshold run (``dms``) is kept whatever its budget, and its row's ``kept`` is the share it realised
+    (:func:`kept_share`; None for the other rows): figures and leaderboards place it there (:func:`position`).
+
     A row's ``policy`` is its label: the policy's name (``method``) and each departure from the defaults that not
     every row shares (``snapkv (window=8)``, ``h2o (decoding=grow)``, ``full (4 questions per context)``:
     :func:`h2o_eval.settings.report_labels`); ``shared`` names those every row shares. A row also has
@@ -46,7 +49,7 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
     kept = []
     for record in records:
         name = metric or stats.primary_metric(record, PRIMARY_METRIC.get(record["task"], "acc"))
-        if name in record["metrics"] and isinstance(record["budget"], float):
+        if name in record["metrics"] and (isinstance(record["budget"], float) or kept_share(record) is not None):
             kept.append((record, name))
     own, shared = report_labels([r["config"] for r, _ in kept], [r["policy_params"] for r, _ in kept])
     newest: dict[tuple, dict[str, Any]] = {}
@@ -56,14 +59,17 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "length": record.get("length"),
             "model": record["model"],
             "protocol": record["protocol"],
-            "policy": record["policy"] + _departures_label(departures.values()),
+            "policy": record["policy"] + _departures_label(_threshold(record, departures).values()),
             "policy_without_questions": record["policy"]
-            + _departures_label(text for key, text in departures.items() if key != "task.questions"),
+            + _departures_label(
+                text for key, text in _threshold(record, departures).items() if key != "task.questions"
+            ),
             "questions": questions(record["config"]),
             "method": record["policy"],
             "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
             "shared": tuple(shared),
             "budget": record["budget"],
+            "kept": kept_share(record),
             "metric": name,
             "value": record["metrics"][name],
             "stderr": record["metrics"].get(f"{name}_stderr"),
@@ -80,6 +86,36 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             _check_one_setting(newest[key], row)
         newest[key] = row
     return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
+
+
+def kept_share(record: dict[str, Any]) -> float | None:
+    """For a threshold run (``dms``), which has no budget, the share of the prompt it kept (the record's
+    ``capacity.kept_fraction_mean``, to 4 decimals): where figures and leaderboards place it. None for the rest,
+    placed at their budget (:func:`position`)."""
+    if record.get("policy_params", {}).get("name") != "dms":
+        return None
+    return round(float(record["capacity"]["kept_fraction_mean"]), 4)
+
+
+def position(row: dict[str, Any]) -> float:
+    """Where a row (or a setting of rows) stands on a budget axis: its realised share if it is a threshold run's,
+    else its budget."""
+    return row["budget"] if row.get("kept") is None else row["kept"]
+
+
+def mean_kept(kept: dict[str, float | None]) -> float | None:
+    """A threshold setting's realised share over its tasks (the mean of each task's, to 4 decimals), where its
+    leaderboard places it; None for a setting at a budget."""
+    shares = [share for share in kept.values() if share is not None]
+    return round(sum(shares) / len(shares), 4) if shares else None
+
+
+def _threshold(record: dict[str, Any], departures: dict[str, str]) -> dict[str, str]:
+    """A threshold run's label names its threshold even where it is the YAML's (its budget is no setting)."""
+    params = record["policy_params"]
+    if params["name"] != "dms" or "policy.threshold" in departures:
+        return departures
+    return {"policy.threshold": f"threshold={params['threshold']}", **departures}
 
 
 def _departures_label(texts: Collection[str]) -> str:

@@ -1,0 +1,228 @@
+"""Threshold budgets (``dms``, kvpress's DMSPress): the policy on a tiny Llama against a plain re-implementation
+written here (a full cache whose dropped keys are masked, per head, as kvpress masks them), the mechanism's
+threshold compression against its row loop, the refusals and the ``threshold`` setting. kvpress 0.5.5 itself is
+compared on SmolLM2 by ``h2o_eval.benchmarks.kvpress_compare --presses dms_knorm,...`` (docs/policies.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_chunk
+from test_eviction import assert_same_result
+from transformers import AttentionInterface, DynamicCache
+
+from h2o_eval import EvictionCache, load_model, make_policy
+from h2o_eval.capacity import CapacityLog
+from h2o_eval.chunks import attend_chunk
+from h2o_eval.errors import ConfigError
+from h2o_eval.eviction import attend_chunk_reference
+from h2o_eval.policies import Rule, configured_policy
+from h2o_eval.settings import policy_departures
+
+THRESHOLD = -0.6  # about the median of minus the tiny Llama's key norms: roughly half the old tokens go
+WINDOW = 8
+DROPPED: dict[int, torch.Tensor] = {}  # per layer [B, Hkv, K] the keys the re-implementation masks
+
+
+def masked_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Causal attention over a full cache less the keys ``DROPPED`` masks for this layer, per KV head."""
+    batch, q_heads, n, _ = query.shape
+    group, width = q_heads // key.shape[1], key.shape[2]
+    logits = query @ key.repeat_interleave(group, 1).transpose(-1, -2) * scaling
+    causal = torch.arange(width) <= (width - n + torch.arange(n)).view(-1, 1)
+    dropped = DROPPED.get(module.layer_idx, torch.zeros(batch, key.shape[1], 0, dtype=torch.bool))
+    dropped = torch.nn.functional.pad(dropped, (0, width - dropped.shape[-1]))
+    seen = causal & ~dropped.repeat_interleave(group, 1).unsqueeze(2)
+    probs = torch.softmax(logits.masked_fill(~seen, -torch.inf), -1)
+    return (probs @ value.repeat_interleave(group, 1)).transpose(1, 2), None
+
+
+AttentionInterface.register("dms_reference", masked_attention)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny Llama the harness runs, and a copy of it whose attention is :func:`masked_attention`."""
+    plain = load_model("tiny-llama", device="cpu")[0]
+    masked = load_model("tiny-llama", device="cpu")[0]
+    masked.set_attn_implementation("dms_reference")
+    return plain, masked
+
+
+def reference(model, ids: torch.Tensor, stops: list[int], decoding: bool) -> tuple[list, list]:
+    """The plain re-implementation: the prompt (up to the first of ``stops``) attends in full, then every token
+    older than the window whose minus key norm is below the threshold is masked; with ``decoding`` the same at the
+    end of every later forward (up to each next stop). Returns each forward's logits and the kept positions."""
+    DROPPED.clear()
+    cache, logits, start = DynamicCache(), [], 0
+    for stop in stops:
+        out = model(ids[:, start:stop], cache=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        if start == 0 or decoding:
+            for layer, state in enumerate(cache.layers):
+                keys = state.keys  # [B, Hkv, K, D]
+                gone = (torch.arange(keys.shape[2]) <= stop - 1 - WINDOW) & (-keys.float().norm(dim=-1) < THRESHOLD)
+                before = DROPPED.get(layer, gone[..., :0])
+                DROPPED[layer] = torch.nn.functional.pad(before, (0, gone.shape[-1] - before.shape[-1])) | gone
+        start = stop
+    every = [torch.nn.functional.pad(d, (0, ids.shape[1] - d.shape[-1])) for d in DROPPED.values()]
+    kept = [[[(~d[b, h]).nonzero().flatten().tolist() for h in range(d.shape[1])] for b in range(d.shape[0])]
+            for d in every]  # fmt: skip
+    return logits, kept
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("decoding", [False, True])
+def test_threshold_equals_a_masked_full_cache_on_the_prompt_and_while_decoding(tiny, decoding):
+    """A 30-token prompt, a 4-token question at once, then 6 decode steps: the logits of every forward and, per
+    layer and KV head, the tokens held equal the re-implementation's; without ``decoding`` nothing goes after the
+    prompt. Heads keep different numbers of tokens, and the bytes held follow what they hold."""
+    ids = torch.randint(100, 4000, (2, 40), generator=torch.Generator().manual_seed(3))
+    stops = [30, 34, *range(35, 41)]
+    model, masked = tiny
+    expected, kept = reference(masked, ids, stops, decoding)
+    policy = make_policy("dms", base="knorm", threshold=THRESHOLD, sliding_window=WINDOW, decoding=decoding)
+    cache = EvictionCache(model, policy, protocol="context")
+    logits, start = [], 0
+    for stop in stops:
+        logits.append(model(ids[:, start:stop], cache=cache, use_cache=True).logits[:, -1])
+        start = stop
+        if stop == 30:
+            after_prompt = [layer.held.sum(-1) for layer in cache.layers]
+    for mine, theirs in zip(logits, expected, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    held = [
+        [[sorted(layer.position[b, h][layer.held[b, h]].tolist()) for h in range(2)] for b in range(2)]
+        for layer in cache.layers
+    ]
+    assert held == kept
+    counts = torch.stack([layer.held.sum(-1) for layer in cache.layers])
+    assert (counts.amax(-1) > counts.amin(-1)).any()  # heads hold different numbers
+    assert (torch.stack(after_prompt) < 30).all()
+    if not decoding:
+        assert torch.equal(counts, torch.stack(after_prompt) + 10)
+    realised = torch.stack(cache.realised())
+    assert torch.equal(realised, torch.stack(after_prompt).float())
+    log = CapacityLog()
+    log.add(cache)
+    shares = (torch.stack(after_prompt).float() / 30).mean((1, 2))  # per layer: over sequences and KV heads
+    assert log.stats()["layer_kept_fraction_mean"] == pytest.approx(shares.tolist())
+    assert log.stats()["kept_fraction_mean"] == pytest.approx(float(shares.mean()))
+
+
+@torch.no_grad()
+def test_dropped_slots_are_freed_when_the_layout_regrows(tiny):
+    """While decoding, the bytes a layer holds follow what its heads hold at each regrowth, not every token seen:
+    70 steps past a 40-token prompt at a threshold that drops almost everything keep the layer near its window."""
+    model = tiny[0]
+    policy = make_policy("dms", base="knorm", threshold=0.0, sliding_window=WINDOW, decoding=True)
+    cache = EvictionCache(model, policy, protocol="context")
+    ids = torch.randint(100, 4000, (1, 110), generator=torch.Generator().manual_seed(4))
+    model(ids[:, :40], cache=cache, use_cache=True)
+    for step in range(40, 110):
+        model(ids[:, step : step + 1], cache=cache, use_cache=True)
+    for layer in cache.layers:
+        assert (layer.held.sum(-1) == WINDOW).all()  # every score (minus a norm) is below 0: the window stays
+        rows = layer.slots.keys.shape[1]
+        assert rows <= 2 * (WINDOW + 64) + 1, rows  # each head's window and a bucket of room, not 110 tokens
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_threshold_compression_equals_the_row_loop(padding):
+    """The mechanism's threshold compression (vectorised) equals the definition's single evictions: every
+    unprotected token below the threshold goes, whatever C, and nothing is evicted after the prompt."""
+    rule = Rule(grows=True, threshold=0.5)
+    query, key, value, chunk = make_chunk(3, 8, 2, 24, 0, rule, 16, padding)
+    expected = attend_chunk_reference(query, key, value, chunk)
+    assert_same_result(attend_chunk(query, key, value, chunk), expected, chunk)
+    assert (expected.kept < 16).any() and (expected.kept > chunk.capacity).any()
+
+
+def test_bad_thresholds_and_bases_are_refused_in_one_line(tiny):
+    cases = [
+        ({"base": "knorm"}, "threshold=None"),
+        ({"base": "knorm", "threshold": "low"}, "threshold='low'"),
+        ({"base": "local", "threshold": 0.1}, "ranks no tokens"),
+        ({"base": "adakv", "threshold": 0.1}, "by budget"),
+        ({"base": "snapkv", "threshold": 0.1, "decoding": True}, "per-token key scores"),
+        ({"base": "knorm", "threshold": 0.1, "sliding_window": -1}, "sliding_window=-1"),
+    ]
+    for params, fragment in cases:
+        with pytest.raises(ConfigError, match=fragment) as error:
+            make_policy("dms", **params)
+        assert "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="use decoding=evict"):
+        EvictionCache(tiny[0], make_policy("dms", threshold=0.1, decoding=True), protocol="context", decoding="grow")
+    with pytest.raises(ConfigError, match="give threshold"):
+        Rule(grows=True, drops=True)
+
+
+def test_the_threshold_setting_wraps_the_configured_policy():
+    config = {"policy": {"name": "snapkv", "window": 8}, "budget": 0.2, "rounding": "up", "threshold": 0.01}
+    policy = configured_policy(config)
+    assert policy.name == "dms" and policy.base.name == "snapkv" and policy.base.window == 8
+    assert policy.threshold == 0.01 and policy.sliding_window == 128 and not policy.decoding
+    assert configured_policy(dict(config, threshold=None)).name == "snapkv"
+    # Its record names what departs from the base's own YAML and dms's, not every parameter of the base.
+    departures = {"policy.threshold": 0.01, "policy.base.window": 8, "policy.base.name": "snapkv"}
+    assert policy_departures(policy.describe()) == departures
+    with pytest.raises(ConfigError, match="ranks no tokens"):
+        configured_policy(dict(config, policy={"name": "streaming"}))
+
+
+def test_records_without_a_threshold_keep_the_identity_they_had_before_the_setting():
+    from conftest import make_config
+
+    from h2o_eval import results
+
+    config = make_config(None, "results", model="tiny-llama", task="copa", policy="knorm", protocol="prefill")
+    before = {key: value for key, value in config.items() if key != "threshold"}  # a record made before it
+    assert config["threshold"] is None and results.identity(config) == results.identity(before)
+    assert results.identity(dict(config, threshold=-3.0)) != results.identity(config)
+
+
+def test_reports_place_a_threshold_run_at_the_share_it_kept(tmp_path):
+    """A threshold run has no budget: its row names its threshold and sits at the share it kept; a leaderboard
+    cell of it sits at the mean of its tasks' shares (0.3 and 0.4 kept: compression ratio 0.65)."""
+    import json
+
+    from test_plot import long_record
+
+    from h2o_eval import plot, results
+    from h2o_eval.reports import tables
+
+    for task, kept in (("niah_single_2", 0.3), ("vt", 0.4)):
+        long_record(tmp_path, task, "full", 1.0, [[1]] * 4)
+        long_record(tmp_path, task, "knorm", 0.5, [[1]] * 3 + [[0]])
+        long_record(tmp_path, task, "knorm", 0.2, [[1]] * 2 + [[0]] * 2, settings={"threshold": -3.0})
+        path = tmp_path / f"{task}_knorm_0.2_context_4096.json"
+        results.write_record(path, {**json.loads(path.read_text()), "capacity": {"kept_fraction_mean": kept}})
+    rows = tables.table(results.load_records(tmp_path))
+    assert sorted((r["task"], r["policy"], tables.position(r)) for r in rows if r["kept"] is not None) == [
+        ("niah_single_2@4096", "knorm (threshold=-3.0)", 0.3),
+        ("vt@4096", "knorm (threshold=-3.0)", 0.4),
+    ]
+    plot.main([str(tmp_path), "--leaderboard", "--out", str(tmp_path / "plots")])
+    table = (tmp_path / "plots" / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
+    assert table[2] == "| policy | 0.5 | 0.65 |"
+    cells = {}
+    for line in table[4:]:
+        name, *values = (cell.strip() for cell in line.strip().strip("|").split("|"))
+        cells[name] = [value.split(" [")[0] for value in values]
+    assert cells["knorm (threshold=-3.0)"] == ["", "50.0"] and cells["knorm"] == ["75.0", ""]
+
+
+@torch.no_grad()
+def test_a_decode_step_that_drops_reads_no_tensor_on_the_host(tiny):
+    """Dropping while decoding is tensor arithmetic: the steps after the prompt (within the room laid out after it)
+    read nothing on the host, as every policy's (tests/test_host_sync.py)."""
+    from test_host_sync import decode_reads
+
+    model, tokenizer = tiny[0], load_model("tiny-llama", device="cpu")[1]
+    prompt = torch.randint(5, 400, (2, 40), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompt)
+    mask[0, :5] = 0
+    policy = make_policy("dms", threshold=THRESHOLD, sliding_window=WINDOW, decoding=True)
+    cache = EvictionCache(model, policy, protocol="context", kernels="torch")
+    assert decode_reads(model, tokenizer, cache, prompt, mask) == []
+    assert all(layer.count is not None for layer in cache.layers)  # the ragged layout, room included
