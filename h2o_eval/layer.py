@@ -39,6 +39,7 @@ from h2o_eval.compression import compress
 from h2o_eval.context import LayerContext, Sequences, first_plan, starting_scores
 from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, ragged, widened
 from h2o_eval.eviction import Chunk
+from h2o_eval.interval import Steps, between
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
 from h2o_eval.policies.inputs import Prompt, Rehearsal
@@ -86,6 +87,7 @@ class EvictionLayer(CacheLayerMixin):
         self.ahead: torch.Tensor | None = None
         self.ahead_base: torch.Tensor | None = None
         self.ahead_left = 0
+        self.steps = Steps(context.interval)  # decoding=interval: the forwards since the last compression
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
 
@@ -134,6 +136,7 @@ class EvictionLayer(CacheLayerMixin):
                 "tokens"
             )
         self.pending = (key_states, value_states)
+        between(self, key_states.shape[2])  # decoding=interval: a compression due before this forward, then its count
         return self.pending
 
     def _step(self, key_states: torch.Tensor) -> str:
@@ -179,6 +182,7 @@ class EvictionLayer(CacheLayerMixin):
         arriving = key_validity(attention_mask, key.shape[0], query.shape[2], key.device)
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
+        self.steps.saw(self, module, hidden_states, scaling)
         decode = step in ("claim", "append")
         if self.seen == self.shared.columns:  # the first layer this forward reaches
             self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
@@ -539,6 +543,7 @@ class EvictionLayer(CacheLayerMixin):
             setattr(layer, name, getattr(self, name))
         if self.slots is not None:
             layer.slots = self._compacted().rows(rows)
+        layer.steps = self.steps.rows_of(rows) if context.interval is not None else layer.steps
         for name in ("kept", "rehearsed"):
             value = getattr(self, name)
             setattr(layer, name, None if value is None else value[torch.tensor(rows, device=value.device)])
