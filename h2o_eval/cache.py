@@ -70,12 +70,12 @@ class EvictionCache(Cache):
     whole-sequence forward and nothing after it (``patch``), so a chunk that can evict nothing is plain attention
     and a policy that computes its own attention (the authors' H2O simulation) may run. ``decoding="grow"``:
     nothing is evicted after the prompt's compression, whatever the policy's own rule (kvpress's pipeline, whose
-    presses act once); ``decoding="interval"``: none either, but every ``interval.steps`` forwards the cache is
-    compressed to ``interval``'s target by its decoding policy's scores (:class:`~h2o_eval.policies.Interval`,
-    :mod:`h2o_eval.interval`: kvpress's DecodingPress). ``graphs``: on a CUDA device, decode steps are captured as
-    CUDA graphs and replayed (:mod:`h2o_eval.graphs`, which names what is not captured); False decodes eagerly.
-    Creating the cache routes the model's attention through the h2o_eval backend; forwards without an EvictionCache
-    keep plain SDPA.
+    presses act once); ``decoding="interval"``: none either, but every ``interval.compression_interval`` forwards
+    the cache is compressed to ``interval``'s target by its decoding policy's scores
+    (:class:`~h2o_eval.policies.Interval`, :mod:`h2o_eval.interval`: kvpress's DecodingPress). ``graphs``: on a
+    CUDA device, decode steps are captured as CUDA graphs and replayed (:mod:`h2o_eval.graphs`, which names what is
+    not captured); False decodes eagerly. Creating the cache routes the model's attention through the h2o_eval
+    backend; forwards without an EvictionCache keep plain SDPA.
     """
 
     def __init__(

@@ -60,7 +60,7 @@ class Steps:
     def due(self, seen: int) -> bool:
         """Whether the layer is compressed before its next forward, ``seen`` tokens having been fed."""
         interval = self.interval
-        return self.steps >= interval.steps or (self.steps > 0 and self.chunk >= interval.target(seen))
+        return self.steps >= interval.compression_interval or (self.steps > 0 and self.chunk >= interval.target(seen))
 
     def reset(self) -> None:
         self.steps, self.chunk, self.rows = 0, 0, []

@@ -143,3 +143,28 @@ def test_interval_settings_are_checked_in_one_line(tiny):
         with pytest.raises(ConfigError, match=message):
             make()
     assert Interval(8, target_ratio=0.75).target(103) == 25 and Interval(8).target(10**6) == 2048
+
+
+def test_a_run_under_decoding_interval_names_its_settings_and_records_the_generated_length(tmp_path, data_dir):
+    """``decoding=interval`` from the CLI's config: its record is named ``context-interval``, its ``interval.*``
+    settings depart from the defaults and are identity only under it; a bad one is refused before the model loads;
+    the record carries the tokens generated."""
+    from conftest import make_config
+
+    from h2o_eval import results
+    from h2o_eval.run import run, validate
+
+    settings = dict(model="tiny-llama", task="niah_single_1", policy="snapkv", budget=0.5, protocol="context")
+    settings |= {"task.length": 256, "task.max_new_tokens": 12, "limit": 1, "policy.window": 4}
+    interval = {"decoding": "interval", "interval.compression_interval": 4, "interval.target_size": 40}
+    spec = validate(make_config(data_dir, tmp_path, **settings, **interval, **{"interval.policy": "knorm"}))
+    assert "__context-interval__" in spec.path.name
+    assert spec.departures["interval.policy"] == "knorm" and spec.departures["interval.compression_interval"] == 4
+    other = validate(make_config(data_dir, tmp_path, **settings, **(interval | {"interval.target_size": 41})))
+    assert other.path != spec.path
+    grown = make_config(data_dir, tmp_path, **settings, decoding="grow")
+    assert results.record_path(tmp_path, {**grown, "interval": {"compression_interval": 3}}) == validate(grown).path
+    with pytest.raises(ConfigError, match="interval.policy=3: use a policy name"):
+        validate(make_config(data_dir, tmp_path, **settings, **interval, **{"interval.policy": 3}))
+    record = run(make_config(data_dir, tmp_path, **settings, **interval), tmp_path)
+    assert record["generation"]["generated_tokens_mean"] > 4

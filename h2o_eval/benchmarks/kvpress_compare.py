@@ -32,11 +32,21 @@ chunk attends to. Their rows are repeated with kvpress's ``topk`` breaking ties 
 ``newest``). ``finch_rerotated`` is kvpress's default FINCH, whose re-rotated keys the mechanism cannot express:
 it shows what that changes (its kept tokens are those of ``finch``). A case kvpress itself fails is printed as
 such.
+
+The decoding presses (``decoding_*``: DecodingPress, ``ratio_decoding_*``: CompressionRatioDecodingPress,
+``prefill_decoding_*``: PrefillDecodingPress) compress every :data:`INTERVAL` forwards after the context (the
+question counts one, as each greedy token), over their scorer's scores, to int(T (1 - ratio)) tokens, or to
+int(seen (1 - ratio)) of the tokens seen so far; kvpress's pipeline runs them in its decoding loop. h2o_eval runs
+``decoding="interval"`` (:class:`~h2o_eval.policies.Interval`) after the context kept whole (``full``), or
+compressed by the same scorer at the ratio (PrefillDecodingPress). Their greedy tokens go on past the end of the
+answer, so that ``--new-tokens`` past 2 x 8 sees two compressions; ``heads equal`` compares the context's
+compression only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,6 +60,7 @@ from typing import Any
 import torch
 
 SEED = 42  # kvpress's evaluation seed, and the default seed of the policies with random sketches
+INTERVAL = 8  # the decoding presses' compression_interval (kvpress's default is 512: the cases generate past 8)
 DELIMITER = -1  # where kvpress's FINCH delimiter token goes in a prompt (its id exists only on the kvpress side)
 
 
@@ -65,6 +76,10 @@ class Press:
     delimiter: bool = False  # FINCH: a delimiter token between context and question; the window is the question
     rerotated: bool = False  # the question's positions continue from the compressed length (key re-rotation)
     ties: bool = False  # also run kvpress with ties broken towards the newest token
+    # A decoding press (``kvpress`` then builds its scorer at the ratio): "size", DecodingPress with target_size
+    # int(T (1 - ratio)); "ratio", CompressionRatioDecodingPress at the ratio; "prefill", PrefillDecodingPress, the
+    # scorer at the ratio on the context, then DecodingPress with the scorer to the context's kept count.
+    decoding: str = ""
 
 
 PRESSES: dict[str, Press] = {
@@ -96,6 +111,27 @@ PRESSES: dict[str, Press] = {
     "finch_rerotated": Press(
         "finch", {}, lambda kv, r: kv.FinchPress(compression_ratio=r), query_aware=True, delimiter=True,
         rerotated=True,
+    ),
+    "decoding_knorm": Press(
+        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="size", ties=True
+    ),
+    "decoding_snapkv": Press(
+        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
+        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="size", ties=True,
+    ),
+    "ratio_decoding_knorm": Press(
+        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="ratio", ties=True
+    ),
+    "ratio_decoding_snapkv": Press(
+        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
+        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="ratio", ties=True,
+    ),
+    "prefill_decoding_snapkv": Press(
+        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
+        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="prefill", ties=True,
+    ),
+    "prefill_decoding_knorm": Press(
+        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="prefill", ties=True
     ),
 }  # fmt: skip
 
@@ -171,7 +207,9 @@ def cases(prompts: dict[str, dict[str, list[int]]], presses: list[str], ratios: 
 
 def greedy(step: Callable[[list[int], list[int]], torch.Tensor], case: Case, start: int, new_tokens: int, stop: int):
     """kvpress's ``generate_answer``: the question at positions from ``start``, then greedy tokens one at a time;
-    ``step(ids, positions)`` returns the last row's logits. Returns (tokens, logits per token)."""
+    ``step(ids, positions)`` returns the last row's logits. Returns (tokens, logits per token). A decoding press's
+    case goes on past ``stop``, so that its compressions come."""
+    stop = -1 if PRESSES[case.press].decoding else stop
     logits = [step(case.asked, list(range(start, start + len(case.asked))))]
     tokens = [int(logits[-1].argmax())]
     position = start + len(case.asked)
@@ -188,12 +226,24 @@ def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[st
     ``EvictionCache`` with ``decoding=grow``; the kept positions of every (layer, KV head), the greedy tokens and
     their logits."""
     from h2o_eval import EvictionCache, make_policy
+    from h2o_eval.policies import Interval
 
     press = PRESSES[case.press]
     params = dict(press.params, **({"window": case.window} if press.delimiter else {}))
     policy = make_policy(press.policy, 1 - case.ratio, rounding="down", **params)
     protocol = "prefill" if press.query_aware else "context"
-    cache = EvictionCache(model, policy, protocol=protocol, decoding="grow")
+    if press.decoding:  # the context whole (DecodingPress) or compressed by the scorer, then interval compressions
+        target = max(1, int(len(case.context) * (1 - case.ratio)))
+        scorer = make_policy(press.policy, 1.0, **params)
+        interval = {
+            "size": Interval(INTERVAL, target_size=target, policy=scorer),
+            "ratio": Interval(INTERVAL, target_ratio=case.ratio, policy=scorer),
+            "prefill": Interval(INTERVAL, target_size=target),
+        }[press.decoding]
+        policy = policy if press.decoding == "prefill" else make_policy("full", 1.0)
+        cache = EvictionCache(model, policy, protocol=protocol, decoding="interval", interval=interval)
+    else:
+        cache = EvictionCache(model, policy, protocol=protocol, decoding="grow")
     model(torch.tensor([case.context]), cache=cache, use_cache=True)
     kept = [
         [sorted(layer.position[0, head][layer.held[0, head]].tolist()) for head in range(layer.held.shape[1])]
@@ -250,13 +300,17 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     """One case through kvpress: the press's hooks on the prefill, the kept positions, then :func:`greedy`."""
     from transformers import DynamicCache
 
-    press = PRESSES[case.press].kvpress(kvpress, case.ratio)
-    if PRESSES[case.press].delimiter:  # what update_model_and_tokenizer sets, the model being extended already
+    spec = PRESSES[case.press]
+    press = spec.kvpress(kvpress, case.ratio)
+    if spec.decoding:
+        press = _decoding_press(kvpress, spec, case)
+    if spec.delimiter:  # what update_model_and_tokenizer sets, the model being extended already
         press.delimiter_token, press.delimiter_token_id = "<|finch_sep|>", model.delimiter_id
     ids = [model.delimiter_id if token == DELIMITER else token for token in case.compressed]
     torch.manual_seed(SEED)
     cache = DynamicCache()
-    with torch.no_grad(), _ties(case.ties), press(model):
+    prefill = press(model) if spec.decoding in ("", "prefill") else contextlib.nullcontext()
+    with torch.no_grad(), _ties(case.ties, in_order=bool(spec.decoding)), prefill:
         model.model(input_ids=torch.tensor([ids]), past_key_values=cache)
     kept = _kept(model, cache, full) if not PRESSES[case.press].rerotated else None
     start = cache.get_seq_length() if PRESSES[case.press].rerotated else len(case.compressed)
@@ -269,8 +323,22 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
             )  # fmt: skip
         return out.logits[0, -1].float()
 
-    tokens, logits = greedy(step, case, start, new_tokens, stop)
+    with _ties(case.ties, in_order=True), press(model) if spec.decoding else contextlib.nullcontext():
+        tokens, logits = greedy(step, case, start, new_tokens, stop)
     return {"kept": kept, "tokens": tokens, "logits": logits}
+
+
+def _decoding_press(kvpress: Any, spec: Press, case: Case) -> Any:
+    """The case's kvpress decoding press (:attr:`Press.decoding`), compressing every :data:`INTERVAL` forwards."""
+    target = max(1, int(len(case.context) * (1 - case.ratio)))
+    if spec.decoding == "ratio":
+        return kvpress.CompressionRatioDecodingPress(
+            base_press=spec.kvpress(kvpress, 0.0), compression_interval=INTERVAL, target_compression_ratio=case.ratio
+        )
+    decoding = kvpress.DecodingPress(spec.kvpress(kvpress, 0.0), compression_interval=INTERVAL, target_size=target)
+    if spec.decoding == "size":
+        return decoding
+    return kvpress.PrefillDecodingPress(prefilling_press=spec.kvpress(kvpress, case.ratio), decoding_press=decoding)
 
 
 def _kept(model: Any, cache: Any, full: list[torch.Tensor]) -> list[list[list[int]]]:
@@ -292,25 +360,36 @@ def _kept(model: Any, cache: Any, full: list[torch.Tensor]) -> list[list[list[in
 
 class _ties:
     """Within the block, ``torch.topk`` (function and method) breaks ties towards the largest index, as h2o_eval
-    keeps the newest of tied tokens; ``topk``: as it is."""
+    keeps the newest of tied tokens; ``topk``: as it is. ``in_order``: the kept indices also come in increasing
+    order, so that a cache compressed again (a decoding press's) stays in position order, where the largest index
+    is the newest token."""
 
-    def __init__(self, ties: str) -> None:
-        self.ties = ties
+    def __init__(self, ties: str, in_order: bool = False) -> None:
+        self.ties, self.in_order = ties, in_order
 
     def __enter__(self) -> None:
         self.saved = (torch.topk, torch.Tensor.topk)
         if self.ties == "newest":
-            torch.topk = torch.Tensor.topk = _newest_topk
+            in_order = self.in_order
+
+            def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+                return _newest_topk(self, k, dim, largest, sorted, in_order)
+
+            torch.topk = torch.Tensor.topk = topk
 
     def __exit__(self, *exc: Any) -> None:
         torch.topk, torch.Tensor.topk = self.saved
 
 
-def _newest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+def _newest_topk(
+    self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, in_order: bool = False
+):
     ranked = self if largest else -self
     flipped = ranked.flip(dim)
     order = torch.argsort(flipped, dim=dim, descending=True, stable=True).narrow(dim, 0, k)
     indices = self.shape[dim] - 1 - order
+    if in_order:
+        indices = indices.sort(dim=dim).values
     return torch.return_types.topk((self.gather(dim, indices), indices))
 
 

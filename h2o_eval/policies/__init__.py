@@ -27,6 +27,7 @@ from h2o_eval.policies.base import (
     check_decoding,
     check_kernels,
     check_protocol,
+    refuse_interval_policy,
 )
 from h2o_eval.policies.full import Full
 from h2o_eval.policies.wrapper import Wrapper
@@ -65,6 +66,7 @@ __all__ = [
     "check_decoding",
     "check_kernels",
     "check_protocol",
+    "configured_interval",
     "configured_policy",
     "example_policy",
     "make_policy",
@@ -110,6 +112,27 @@ def configured_policy(config: Mapping[str, Any]) -> Policy:
     ``budget``, rounded as its ``rounding`` says."""
     params = {key: value for key, value in config["policy"].items() if key != "name"}
     return make_policy(config["policy"]["name"], budget=config["budget"], rounding=config["rounding"], **params)
+
+
+def configured_interval(config: Mapping[str, Any], policy: Policy) -> Interval | None:
+    """``decoding=interval``'s settings a run's config names (its ``interval`` group: ``compression_interval``,
+    ``target_size`` or ``target_ratio``, and ``policy``, the decoding policy as a name or a mapping of its name and
+    parameters, null for the run's own ``policy``); None under another decoding."""
+    if config.get("decoding") != "interval":
+        return None
+    group = dict(config.get("interval") or {})
+    known = ("compression_interval", "target_size", "target_ratio", "policy")
+    if unknown := set(group) - set(known):
+        raise ConfigError(f"interval takes no {', '.join(sorted(unknown))}: its settings are {', '.join(known)}")
+    spec = group.pop("policy", None)
+    if spec is None:
+        refuse_interval_policy(policy)
+        return Interval(**group)
+    spec = {"name": spec} if isinstance(spec, str) else spec
+    if not isinstance(spec, Mapping) or "name" not in spec:
+        raise ConfigError(f"interval.policy={spec!r}: use a policy name, or {{name: snapkv, window: 4}}")
+    params = {key: value for key, value in spec.items() if key != "name"}
+    return Interval(**group, policy=make_policy(spec["name"], 1.0, **params))
 
 
 def example_policy(name: str, budget: float | int = 0.5) -> Policy:

@@ -33,8 +33,8 @@ PROTOCOLS = ("simulate", "prefill", "context")
 ROUNDINGS = ("up", "down")
 # After a prefill/context compression: evict = the policy's own rule (evicting policies keep evicting one token per
 # arriving token); grow = nothing is evicted after the compression (kvpress's pipeline, whose presses act once);
-# interval = nothing is evicted by an arriving token, and every ``steps`` forwards the cache is compressed by a policy's
-# scores (:class:`Interval`: kvpress's DecodingPress).
+# interval = nothing is evicted by an arriving token, and every ``compression_interval`` forwards the cache is
+# compressed by a policy's scores (:class:`Interval`: kvpress's DecodingPress).
 DECODINGS = ("evict", "grow", "interval")
 # Implementations of the mechanism: auto (Triton kernels on CUDA, the numba-compiled scan elsewhere), torch (the
 # plain reference loop), triton (the Triton kernels, forced).
@@ -360,13 +360,15 @@ def check_decoding(protocol: str, decoding: str) -> None:
 @dataclass(frozen=True)
 class Interval:
     """``decoding=interval`` (kvpress's DecodingPress, CompressionRatioDecodingPress and, with ``policy``,
-    PrefillDecodingPress): after the prompt's compression nothing is evicted by an arriving token; every ``steps``
-    forwards after the prompt (a chunk such as the question counts one, as each generated token), and after a chunk
-    of at least the target's tokens, each (sequence, layer, KV head) is compressed to the target by ``policy``'s
-    scores over everything it holds, before the next forward.
+    PrefillDecodingPress): after the prompt's compression nothing is evicted by an arriving token; every
+    ``compression_interval`` forwards after the prompt (a chunk such as the question counts one, as each generated
+    token), and after a chunk of at least the target's tokens, each (sequence, layer, KV head) is compressed to the
+    target by ``policy``'s scores over everything it holds, before the next forward. The steps between are captured
+    as CUDA graphs when ``policy`` scores by key scores alone (each compression lays the buffers out anew, and the
+    step after it is captured again); a policy that votes keeps each step's attention input, so its steps run eagerly.
 
     Args:
-        steps: forwards between two compressions (kvpress's ``compression_interval``).
+        compression_interval: forwards between two compressions (kvpress's ``compression_interval``).
         target_size: the tokens each KV head keeps (kvpress's ``target_size``), 2048 if neither target is given.
         target_ratio: instead, the share of the tokens seen so far that goes, kvpress's
             ``target_compression_ratio`` in [0, 1): each compression keeps max(1, int(seen * (1 - target_ratio))).
@@ -374,13 +376,13 @@ class Interval:
             cache's own policy. Its budget is not read.
     """
 
-    steps: int = 512
+    compression_interval: int = 512
     target_size: int | None = None
     target_ratio: float | None = None
     policy: Policy | None = None
 
     def __post_init__(self) -> None:
-        check_number("decoding=interval", "compression_interval", self.steps, integer=True, low=1)
+        check_number("decoding=interval", "compression_interval", self.compression_interval, integer=True, low=1)
         if self.target_size is not None and self.target_ratio is not None:
             raise ConfigError("decoding=interval: give target_size or target_ratio, not both (set the other to null)")
         if self.target_size is not None:
@@ -405,7 +407,7 @@ class Interval:
 
     def describe(self) -> dict[str, Any]:
         return {
-            "steps": self.steps,
+            "compression_interval": self.compression_interval,
             "target_size": self.target_size,
             "target_ratio": self.target_ratio,
             "policy": None if self.policy is None else self.policy.describe(),
