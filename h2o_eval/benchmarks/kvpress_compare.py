@@ -40,7 +40,9 @@ int(seen (1 - ratio)) of the tokens seen so far; kvpress's pipeline runs them in
 ``decoding="interval"`` (:class:`~h2o_eval.policies.Interval`) after the context kept whole (``full``), or
 compressed by the same scorer at the ratio (PrefillDecodingPress). Their greedy tokens go on past the end of the
 answer, so that ``--new-tokens`` past 2 x 8 sees two compressions; ``heads equal`` compares the context's
-compression only.
+compression only. kvpress keeps a compressed cache in ``torch.topk``'s order (by score), and SnapKV pools its
+scores along the cache's order: the decoding presses run three ways, ``topk`` (kvpress as it is), ``ordered``
+(topk's choice, kept in position order) and ``newest`` (ties towards the newest token, in position order).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ class Case:
     ratio: float
     compressed: list[int]
     asked: list[int]
-    ties: str = "topk"  # how kvpress breaks ties: torch.topk's order, or towards the newest token
+    ties: str = "topk"  # how kvpress breaks ties: torch.topk's order, or towards the newest token; "ordered": topk's
+    # ties, its kept tokens in position order (decoding presses)
 
     @property
     def context(self) -> list[int]:
@@ -200,7 +203,8 @@ def cases(prompts: dict[str, dict[str, list[int]]], presses: list[str], ratios: 
             else:
                 compressed, asked = parts["context"] + parts["question"], parts["suffix"]
             for ratio in ratios:
-                for ties in ("topk", "newest") if press.ties else ("topk",):
+                modes = ("topk", "ordered", "newest") if press.decoding else ("topk", "newest")
+                for ties in modes if press.ties else ("topk",):
                     found.append(Case(name, prompt, ratio, compressed, asked, ties))
     return found
 
@@ -323,7 +327,7 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
             )  # fmt: skip
         return out.logits[0, -1].float()
 
-    with _ties(case.ties, in_order=True), press(model) if spec.decoding else contextlib.nullcontext():
+    with _ties(case.ties, in_order=bool(spec.decoding)), press(model) if spec.decoding else contextlib.nullcontext():
         tokens, logits = greedy(step, case, start, new_tokens, stop)
     return {"kept": kept, "tokens": tokens, "logits": logits}
 
@@ -360,22 +364,26 @@ def _kept(model: Any, cache: Any, full: list[torch.Tensor]) -> list[list[list[in
 
 class _ties:
     """Within the block, ``torch.topk`` (function and method) breaks ties towards the largest index, as h2o_eval
-    keeps the newest of tied tokens; ``topk``: as it is. ``in_order``: the kept indices also come in increasing
-    order, so that a cache compressed again (a decoding press's) stays in position order, where the largest index
-    is the newest token."""
+    keeps the newest of tied tokens (``newest``); ``topk``: as it is. ``ordered``, and ``newest`` with ``in_order``:
+    the kept indices also come in increasing order, so that a cache compressed again (a decoding press's) stays in
+    position order, where the largest index is the newest token."""
 
     def __init__(self, ties: str, in_order: bool = False) -> None:
         self.ties, self.in_order = ties, in_order
 
     def __enter__(self) -> None:
         self.saved = (torch.topk, torch.Tensor.topk)
-        if self.ties == "newest":
-            in_order = self.in_order
+        if self.ties == "topk":
+            return
+        original, newest, in_order = torch.topk, self.ties == "newest", self.in_order or self.ties == "ordered"
 
-            def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+        def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+            if newest:
                 return _newest_topk(self, k, dim, largest, sorted, in_order)
+            indices = original(self, k, dim=dim, largest=largest, sorted=sorted).indices.sort(dim=dim).values
+            return torch.return_types.topk((self.gather(dim, indices), indices))
 
-            torch.topk = torch.Tensor.topk = topk
+        torch.topk = torch.Tensor.topk = topk
 
     def __exit__(self, *exc: Any) -> None:
         torch.topk, torch.Tensor.topk = self.saved
