@@ -351,8 +351,9 @@ def check_decoding(protocol: str, decoding: str) -> None:
     if decoding not in DECODINGS:
         raise ConfigError(f"decoding={decoding!r}: use one of {', '.join(DECODINGS)}")
     if decoding != "evict" and protocol == "simulate":
+        kept = "keeps every token" if decoding == "grow" else "compresses every N forwards"
         raise ConfigError(
-            f"decoding={decoding} decodes after a prompt's compression, and simulate compresses none: use "
+            f"decoding={decoding} {kept} after a prompt's compression, and simulate compresses none: use "
             "protocol=prefill or context (or decoding=evict)"
         )
 
