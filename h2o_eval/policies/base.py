@@ -388,8 +388,9 @@ class Interval:
             raise ConfigError("decoding=interval: give target_size or target_ratio, not both (set the other to null)")
         if self.target_size is not None:
             check_number("decoding=interval", "target_size", self.target_size, integer=True, low=1)
-        if self.target_ratio is not None and not (isinstance(self.target_ratio, float) and 0 <= self.target_ratio < 1):
-            raise ConfigError(f"decoding=interval: target_ratio={self.target_ratio!r}: use a fraction in [0, 1)")
+        ratio = self.target_ratio
+        if ratio is not None and (not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 <= ratio < 1):
+            raise ConfigError(f"decoding=interval: target_ratio={ratio!r}: use a fraction in [0, 1)")
         if self.policy is not None:
             refuse_interval_policy(self.policy)
 
