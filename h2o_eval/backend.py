@@ -21,15 +21,18 @@ from h2o_eval.attention import check_supported, install
 from h2o_eval.cache import EvictionCache
 from h2o_eval.capacity import CapacityLog
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol
+from h2o_eval.policies import Interval, Policy, check_decoding, check_kernels, check_protocol
 
 
 class Session:
     """Per-``patch`` state: the policy, the protocol, the context length of each sequence of the next forward
     (``context_lengths``, set by the caller under ``prefill`` and ``context``) and the capacities realised so far."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, protocol: str, kernels: str, decoding: str) -> None:
+    def __init__(
+        self, model: torch.nn.Module, policy: Policy, protocol: str, kernels: str, decoding: str, interval=None
+    ) -> None:
         self.policy, self.protocol, self.kernels, self.decoding = policy, protocol, kernels, decoding
+        self.interval: Interval | None = interval
         self.context_lengths: list[int] | None = None
         self.capacity = CapacityLog()
         self._cache: EvictionCache | None = None
@@ -59,6 +62,7 @@ class Session:
             kernels=self.kernels,
             one_forward=True,
             decoding=self.decoding,
+            interval=self.interval,
         )
         return args, {**kwargs, "cache": self._cache, "use_cache": True}
 
@@ -82,14 +86,20 @@ class Session:
 
 @contextmanager
 def patch(
-    model: torch.nn.Module, policy: Policy, protocol: str = "simulate", kernels: str = "auto", decoding: str = "evict"
+    model: torch.nn.Module,
+    policy: Policy,
+    protocol: str = "simulate",
+    kernels: str = "auto",
+    decoding: str = "evict",
+    interval: Interval | None = None,
 ) -> Iterator[Session]:
     """Within the block, every forward of ``model`` attends under ``policy`` with ``protocol``.
 
     ``simulate``: each position attends to what a bounded cache fed token by token from empty would hold.
     ``prefill`` and ``context``: the first ``session.context_lengths[b]`` tokens of sequence b attend in full,
     the cache is compressed to the budget (a fraction of those tokens), and the rest proceeds under the policy's
-    decoding rule (``decoding="grow"``: nothing evicted after the compression). (The two differ in what the caller
+    decoding rule (``decoding="grow"``: nothing evicted after the compression; ``"interval"`` with ``interval``'s
+    settings: compressed between forwards, as what the session generates is). (The two differ in what the caller
     counts as the context: the whole prompt, or only what precedes the question.) On exit the model is exactly as
     before.
     """
@@ -97,7 +107,7 @@ def patch(
     check_protocol(policy, protocol, kernels)
     check_decoding(protocol, decoding, policy)
     check_kernels(kernels, next(model.parameters()).device.type)
-    session = Session(model, policy, protocol, kernels, decoding)
+    session = Session(model, policy, protocol, kernels, decoding, interval)
     previous = model.config._attn_implementation
     install(model)
     hooks = [

@@ -31,15 +31,32 @@ from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import DecodeGraphs
 from h2o_eval.graphs import install as install_graphs
 from h2o_eval.implementation import choose
+from h2o_eval.interval import between
 from h2o_eval.layer import EvictionLayer
-from h2o_eval.policies import Full, Policy, Rule, check_decoding, check_protocol
+from h2o_eval.policies import Full, Interval, Policy, Rule, check_decoding, check_protocol
+from h2o_eval.policies.base import refuse_interval_policy
 from h2o_eval.policies.inputs import Script
 from h2o_eval.rerotation import inverse_frequencies
 
 
 def decoding_rule(policy: Policy, decoding: str) -> Rule:
-    """The rule a cache decodes under: the policy's, or with ``decoding="grow"`` one that keeps every later token."""
-    return dataclasses.replace(policy.rule, grows=True, drops=False) if decoding == "grow" else policy.rule
+    """The rule a cache decodes under: the policy's, or with ``decoding="grow"`` or ``"interval"`` one that keeps
+    every later token (an interval's compressions come between forwards, :mod:`h2o_eval.interval`)."""
+    return dataclasses.replace(policy.rule, grows=True, drops=False) if decoding != "evict" else policy.rule
+
+
+def resolve_interval(policy: Policy, decoding: str, interval: Interval | None) -> Interval | None:
+    """``decoding=interval``'s settings (kvpress's defaults when None), their decoding policy the cache's own when
+    unset; None under another decoding, which takes no such settings."""
+    if decoding != "interval":
+        if interval is not None:
+            raise ConfigError(f"interval settings apply to decoding=interval, not decoding={decoding}: drop them")
+        return None
+    interval = interval or Interval()
+    if interval.policy is None:
+        refuse_interval_policy(policy)
+        interval = dataclasses.replace(interval, policy=policy)
+    return interval
 
 
 class EvictionCache(Cache):
@@ -54,9 +71,12 @@ class EvictionCache(Cache):
     whole-sequence forward and nothing after it (``patch``), so a chunk that can evict nothing is plain attention
     and a policy that computes its own attention (the authors' H2O simulation) may run. ``decoding="grow"``:
     nothing is evicted after the prompt's compression, whatever the policy's own rule (kvpress's pipeline, whose
-    presses act once). ``graphs``: on a CUDA device, decode steps are captured as CUDA graphs and replayed
-    (:mod:`h2o_eval.graphs`, which names what is not captured); False decodes eagerly. Creating the cache routes the
-    model's attention through the h2o_eval backend; forwards without an EvictionCache keep plain SDPA.
+    presses act once); ``decoding="interval"``: none either, but every ``interval.compression_interval`` forwards
+    the cache is compressed to ``interval``'s target by its decoding policy's scores
+    (:class:`~h2o_eval.policies.Interval`, :mod:`h2o_eval.interval`: kvpress's DecodingPress). ``graphs``: on a
+    CUDA device, decode steps are captured as CUDA graphs and replayed (:mod:`h2o_eval.graphs`, which names what is
+    not captured); False decodes eagerly. Creating the cache routes the model's attention through the h2o_eval
+    backend; forwards without an EvictionCache keep plain SDPA.
     """
 
     def __init__(
@@ -71,6 +91,7 @@ class EvictionCache(Cache):
         one_forward: bool = False,
         decoding: str = "evict",
         graphs: bool = True,
+        interval: Interval | None = None,
     ) -> None:
         check_supported(model)
         check_protocol(policy, protocol, kernels)
@@ -107,6 +128,7 @@ class EvictionCache(Cache):
             one_forward=one_forward,
             rotary=rotary_function(model),
             rerotation=tuple(inverse_frequencies(model, f"policy {policy.name!r}")) if policy.rerotates else None,
+            interval=resolve_interval(policy, decoding, interval),
         )
         # A policy that scores its prompt by extra passes holds it whole until they ran (compress_prompt).
         self.shared = Sequences(deferred=policy.rehearses and protocol != "simulate")
@@ -248,7 +270,9 @@ class EvictionCache(Cache):
             raise RuntimeError("a full copy is made of a deferred prompt before its extra passes and compression only")
         policy = Full()
         rows = list(range(len(self.lengths)))
-        context = dataclasses.replace(self.context, policy=policy, rule=decoding_rule(policy, self.decoding))
+        context = dataclasses.replace(
+            self.context, policy=policy, rule=decoding_rule(policy, self.decoding), interval=None
+        )
         clone = self._copy(context, self.shared.rows(rows))
         clone.layers = [layer.fork(context, clone.shared, rows) for layer in self.layers]
         clone.shared.deferred = False
@@ -293,18 +317,21 @@ class EvictionCache(Cache):
 
     def capturable(self, batch: int) -> bool:
         """Whether the next one-token forward of ``batch`` sequences is a decode step that can be captured: every
-        layer decodes into static buffers (none keeps a sliding window), and no prompt waits for extra passes."""
+        layer decodes into static buffers (none keeps a sliding window), no prompt waits for extra passes, and no
+        layer keeps its step's attention input (a voting policy under ``decoding=interval``)."""
         return (
             not self.deferred
             and self.shared.rehearsing is None
             and self.lengths is not None
             and len(self.lengths) == batch
-            and all(layer.capturable() for layer in self.layers)
+            and all(layer.capturable() and not layer.steps.keep for layer in self.layers)
         )
 
     def prepare_decode(self) -> None:
-        """Before a decode step, on the host: every layer's buffers wide enough for one more token."""
+        """Before a decode step, on the host: every layer compressed if ``decoding=interval`` says so, and its buffers
+        wide enough for one more token."""
         for layer in self.layers:
+            between(layer)
             layer.prepare_decode()
 
     def buffers(self) -> tuple:
@@ -318,6 +345,7 @@ class EvictionCache(Cache):
         self.shared.advance()
         for layer in self.layers:
             layer.advance()
+            layer.steps.fed(1)
 
     # -- what transformers and the backend ask ------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import torch
 
 from h2o_eval.errors import ConfigError
 from h2o_eval.implementation import Implementation
-from h2o_eval.policies import Policy, Rule
+from h2o_eval.policies import Interval, Policy, Rule
 from h2o_eval.policies.inputs import Script
 
 
@@ -28,7 +28,8 @@ class LayerContext:
     chunk); ``one_forward``: the cache serves one whole-sequence forward (``patch``); ``window``: the sliding window
     that bounds every layer of a model whose layers all slide (None otherwise); ``rotary(layer, positions)``: the
     model's rotary embedding (None without); ``rerotation``: per layer the rotary's inverse frequencies by which a
-    compressed prompt's kept keys are re-rotated (:mod:`h2o_eval.rerotation`), None for a policy that keeps them."""
+    compressed prompt's kept keys are re-rotated (:mod:`h2o_eval.rerotation`), None for a policy that keeps them;
+    ``interval``: ``decoding=interval``'s settings, its decoding policy resolved (None under another decoding)."""
 
     policy: Policy
     rule: Rule
@@ -42,6 +43,7 @@ class LayerContext:
     one_forward: bool = False
     rotary: Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
     rerotation: tuple[torch.Tensor, ...] | None = None
+    interval: Interval | None = None
 
     def prompt_rows(self, arriving: torch.Tensor) -> torch.Tensor:
         """[B] the first chunk's rows that are prompt rows (left padding included; ``arriving`` [B, n] marks the

@@ -200,7 +200,7 @@ class EvictionLM(HFLM):
         session = self.session
         cache = EvictionCache(
             self.model, session.policy, protocol=session.protocol, kernels=self.kernels, decoding=session.decoding,
-            graphs=self.graphs,
+            graphs=self.graphs, interval=session.interval,
         )  # fmt: skip
         if cache.policy.needs_answer:
             raise ConfigError(

@@ -40,6 +40,7 @@ from h2o_eval.compression import compress
 from h2o_eval.context import LayerContext, Sequences, arriving_scores, first_plan, starting_scores
 from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, drop, ragged, widened
 from h2o_eval.eviction import Chunk
+from h2o_eval.interval import Steps, between
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
 from h2o_eval.policies.inputs import Prompt, Rehearsal
@@ -88,6 +89,7 @@ class EvictionLayer(CacheLayerMixin):
         self.ahead: torch.Tensor | None = None
         self.ahead_base: torch.Tensor | None = None
         self.ahead_left = 0
+        self.steps = Steps(context.interval)  # decoding=interval: the forwards since the last compression
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
 
@@ -108,17 +110,9 @@ class EvictionLayer(CacheLayerMixin):
         """Bytes of the keys and values this layer has allocated (a growing layer's spare slots included)."""
         return 2 * self.slots.keys.numel() * self.slots.keys.element_size() if self.is_initialized else 0
 
-    @property
-    def held(self) -> torch.Tensor:
-        return self.slots.held
-
-    @property
-    def position(self) -> torch.Tensor:
-        return self.slots.position
-
-    @property
-    def scores(self) -> torch.Tensor:
-        return self.slots.scores
+    held = property(lambda self: self.slots.held, doc="[B, Hkv, S] bool: the slots that hold a token")
+    position = property(lambda self: self.slots.position, doc="[B, Hkv, S]: each slot's token's position")
+    scores = property(lambda self: self.slots.scores, doc="[B, Hkv, S] float32: each slot's score")
 
     # -- update: the chunk's keys and values ---------------------------------------------------------------------
 
@@ -133,6 +127,7 @@ class EvictionLayer(CacheLayerMixin):
                 "h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more tokens"
             )
         self.pending = (key_states, value_states)
+        between(self, key_states.shape[2])  # decoding=interval: a compression due before this forward, then its count
         return self.pending
 
     def _step(self, key_states: torch.Tensor) -> str:
@@ -178,6 +173,7 @@ class EvictionLayer(CacheLayerMixin):
         arriving = key_validity(attention_mask, key.shape[0], query.shape[2], key.device)
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
+        self.steps.saw(self, module, hidden_states, scaling)
         decode = step in ("claim", "append")
         if self.seen == self.shared.columns:  # the first layer this forward reaches
             self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
@@ -545,6 +541,7 @@ class EvictionLayer(CacheLayerMixin):
             setattr(layer, name, getattr(self, name))
         if self.slots is not None:
             layer.slots = self._compacted().rows(rows)
+        layer.steps = self.steps.rows_of(rows) if context.interval is not None else layer.steps
         for name in ("kept", "rehearsed"):
             value = getattr(self, name)
             setattr(layer, name, None if value is None else value[torch.tensor(rows, device=value.device)])

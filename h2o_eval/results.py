@@ -37,6 +37,7 @@ NOT_IDENTITY = (
     "kernels",
     "graphs",
     "threads",
+    "interval",  # identity only under decoding=interval (_identity)
 )
 # What every record holds and the plot reads; a JSON file without these is not a record.
 RECORD_KEYS = (
@@ -83,6 +84,8 @@ def _identity(config: dict[str, Any], built_policy: dict[str, Any], data_hash: s
     ident["task"] = {key: value for key, value in config["task"].items() if key != "include_path"}
     ident |= runner_of(config["task"]).identity(config)
     ident["built_policy"] = built_policy
+    if config.get("decoding") == "interval":
+        ident["interval"] = config["interval"]
     ident["data"] = data_hash
     return ident
 

@@ -20,7 +20,14 @@ from typing import Any, NoReturn
 
 from h2o_eval import results, settings, tracking
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import Policy, check_decoding, check_kernels, check_protocol, configured_policy
+from h2o_eval.policies import (
+    Policy,
+    check_decoding,
+    check_kernels,
+    check_protocol,
+    configured_interval,
+    configured_policy,
+)
 from h2o_eval.runners import Evaluation, Runner, check_task_keys, runner_of
 from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
@@ -90,6 +97,7 @@ def validate(config: dict[str, Any]) -> Spec:
         raise ConfigError(f"policy={policy.name} {reason}")
     check_protocol(policy, protocol, config["kernels"])
     check_decoding(protocol, config["decoding"], policy)
+    configured_interval(config, policy)
     from h2o_eval.models import check_available, resolve_device, resolve_dtype
 
     device = resolve_device(config["device"])

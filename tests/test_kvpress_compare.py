@@ -41,6 +41,8 @@ def test_every_press_runs_on_a_tiny_model_at_kvpress_kept_count():
         elif PRESSES[case.press].threshold:  # DMS at the threshold 0.25: every token fed stays in its 128 window
             fed = list(range(tokens + len(case.asked) + 2))  # the prompt, the question and two greedy tokens
             assert held == [tokens] * len(held) and all(head == fed for layer in found["end"] for head in layer)
+        elif PRESSES[case.press].decoding in ("size", "ratio"):  # the context whole until decoding compresses it
+            assert held == [tokens] * len(held)
         elif case.press == "adakv_compactor":  # heads share the layer's slots
             assert sum(held) == int(tokens * 0.75) * len(held)
         elif case.press == "composed":  # the second press keeps int(45 * 0.75) of the first's int(60 * 0.75)

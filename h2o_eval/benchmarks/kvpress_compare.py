@@ -42,6 +42,17 @@ then KeyDiff, both at the ratio: int(int(T (1 - ratio)) (1 - ratio)) tokens kept
 (PerLayerCompressionPress over KeyDiff at :func:`layer_ratios`). Its layers then hold different lengths, which the
 SDPA mask transformers builds for several tokens does not fit (kvpress asks for flash attention): kvpress's side
 feeds the question one token at a time.
+
+The decoding presses (``decoding_*``: DecodingPress, ``ratio_decoding_*``: CompressionRatioDecodingPress,
+``prefill_decoding_*``: PrefillDecodingPress) compress every :data:`INTERVAL` forwards after the context (the
+question counts one, as each greedy token), over their scorer's scores, to int(T (1 - ratio)) tokens, or to
+int(seen (1 - ratio)) of the tokens seen so far; kvpress's pipeline runs them in its decoding loop. h2o_eval runs
+``decoding="interval"`` (:class:`~h2o_eval.policies.Interval`) after the context kept whole (``full``), or
+compressed by the same scorer at the ratio (PrefillDecodingPress). Their greedy tokens go on past the end of the
+answer, so that ``--new-tokens`` past 2 x 8 sees two compressions; ``heads equal`` compares the context's
+compression only. kvpress keeps a compressed cache in ``torch.topk``'s order (by score), and SnapKV pools its
+scores along the cache's order: the decoding presses run three ways, ``topk`` (kvpress as it is), ``ordered``
+(topk's choice, kept in position order) and ``newest`` (ties towards the newest token, in position order).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from typing import Any
 import torch
 
 SEED = 42  # kvpress's evaluation seed, and the default seed of the policies with random sketches
+INTERVAL = 8  # the decoding presses' compression_interval (kvpress's default is 512: the cases generate past 8)
 DELIMITER = -1  # where kvpress's FINCH delimiter token goes in a prompt (its id exists only on the kvpress side)
 
 
@@ -78,7 +90,11 @@ class Press:
     ties: bool = False  # also run kvpress with ties broken towards the newest token
     layered: bool = False  # the ratio differs by layer (:func:`layer_ratios`): kvpress's PerLayerCompressionPress
     threshold: bool = False  # DMSPress: the "ratio" is a score threshold (h2o_eval's dms)
-    decoding: bool = False  # the press acts while decoding too (DMSPress(decoding=True); h2o_eval's decoding=evict)
+    drops: bool = False  # it drops tokens while decoding too (DMSPress(decoding=True); h2o_eval's decoding=evict)
+    # A decoding press (``kvpress`` then builds its scorer at the ratio): "size", DecodingPress with target_size
+    # int(T (1 - ratio)); "ratio", CompressionRatioDecodingPress at the ratio; "prefill", PrefillDecodingPress, the
+    # scorer at the ratio on the context, then DecodingPress with the scorer to the context's kept count.
+    decoding: str = ""
 
 
 def layer_ratios(ratio: float, layers: int) -> list[float]:
@@ -147,10 +163,31 @@ PRESSES: dict[str, Press] = {
     ),
     "dms_knorm_decoding": Press(
         "dms", {"base": "knorm", "decoding": True},
-        lambda kv, t: kv.DMSPress(kv.KnormPress(), threshold=t, decoding=True), threshold=True, decoding=True,
+        lambda kv, t: kv.DMSPress(kv.KnormPress(), threshold=t, decoding=True), threshold=True, drops=True,
     ),
     "dms_keydiff": Press(
         "dms", {"base": "keydiff"}, lambda kv, t: kv.DMSPress(kv.KeyDiffPress(), threshold=t), threshold=True
+    ),
+    "decoding_knorm": Press(
+        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="size", ties=True
+    ),
+    "decoding_snapkv": Press(
+        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
+        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="size", ties=True,
+    ),
+    "ratio_decoding_knorm": Press(
+        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="ratio", ties=True
+    ),
+    "ratio_decoding_snapkv": Press(
+        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
+        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="ratio", ties=True,
+    ),
+    "prefill_decoding_snapkv": Press(
+        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
+        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="prefill", ties=True,
+    ),
+    "prefill_decoding_knorm": Press(
+        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="prefill", ties=True
     ),
 }  # fmt: skip
 
@@ -165,7 +202,8 @@ class Case:
     ratio: float
     compressed: list[int]
     asked: list[int]
-    ties: str = "topk"  # how kvpress breaks ties: torch.topk's order, or towards the newest token
+    ties: str = "topk"  # how kvpress breaks ties: torch.topk's order, or towards the newest token; "ordered": topk's
+    # ties, its kept tokens in position order (decoding presses)
 
     @property
     def context(self) -> list[int]:
@@ -219,14 +257,17 @@ def cases(prompts: dict[str, dict[str, list[int]]], presses: list[str], ratios: 
             else:
                 compressed, asked = parts["context"] + parts["question"], parts["suffix"]
             for ratio in ratios:
-                for ties in ("topk", "newest") if press.ties else ("topk",):
+                modes = ("topk", "ordered", "newest") if press.decoding else ("topk", "newest")
+                for ties in modes if press.ties else ("topk",):
                     found.append(Case(name, prompt, ratio, compressed, asked, ties))
     return found
 
 
 def greedy(step: Callable[[list[int], list[int]], torch.Tensor], case: Case, start: int, new_tokens: int, stop: int):
     """kvpress's ``generate_answer``: the question at positions from ``start``, then greedy tokens one at a time;
-    ``step(ids, positions)`` returns the last row's logits. Returns (tokens, logits per token)."""
+    ``step(ids, positions)`` returns the last row's logits. Returns (tokens, logits per token). A decoding press's
+    case goes on past ``stop``, so that its compressions come."""
+    stop = -1 if PRESSES[case.press].decoding else stop
     logits = [step(case.asked, list(range(start, start + len(case.asked))))]
     tokens = [int(logits[-1].argmax())]
     position = start + len(case.asked)
@@ -244,6 +285,7 @@ def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[st
     press that acts while decoding); the kept positions of every (layer, KV head) after the prompt and at the end,
     the greedy tokens and their logits."""
     from h2o_eval import EvictionCache, make_policy
+    from h2o_eval.policies import Interval
 
     press = PRESSES[case.press]
     params = dict(press.params, **({"window": case.window} if press.delimiter else {}))
@@ -254,7 +296,18 @@ def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[st
     else:
         policy = make_policy(press.policy, 1 - case.ratio, rounding="down", **params)
     protocol = "prefill" if press.query_aware else "context"
-    cache = EvictionCache(model, policy, protocol=protocol, decoding="evict" if press.decoding else "grow")
+    if press.decoding:  # the context whole (DecodingPress) or compressed by the scorer, then interval compressions
+        target = max(1, int(len(case.context) * (1 - case.ratio)))
+        scorer = make_policy(press.policy, 1.0, **params)
+        interval = {
+            "size": Interval(INTERVAL, target_size=target, policy=scorer),
+            "ratio": Interval(INTERVAL, target_ratio=case.ratio, policy=scorer),
+            "prefill": Interval(INTERVAL, target_size=target),
+        }[press.decoding]
+        policy = policy if press.decoding == "prefill" else make_policy("full", 1.0)
+        cache = EvictionCache(model, policy, protocol=protocol, decoding="interval", interval=interval)
+    else:
+        cache = EvictionCache(model, policy, protocol=protocol, decoding="evict" if press.drops else "grow")
     model(torch.tensor([case.context]), cache=cache, use_cache=True)
     kept = _held(cache)
 
@@ -318,17 +371,21 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     """One case through kvpress: the press's hooks on the prefill, the kept positions, then :func:`greedy`."""
     from transformers import DynamicCache
 
-    press = PRESSES[case.press].kvpress(kvpress, case.ratio)
-    if PRESSES[case.press].layered:
+    spec = PRESSES[case.press]
+    press = spec.kvpress(kvpress, case.ratio)
+    if spec.layered:
         ratios = layer_ratios(case.ratio, model.config.num_hidden_layers)
         press = kvpress.PerLayerCompressionPress(press, compression_ratios=ratios)
-    if PRESSES[case.press].delimiter:  # what update_model_and_tokenizer sets, the model being extended already
+    if spec.decoding:
+        press = _decoding_press(kvpress, spec, case)
+    if spec.delimiter:  # what update_model_and_tokenizer sets, the model being extended already
         press.delimiter_token, press.delimiter_token_id = "<|finch_sep|>", model.delimiter_id
     ids = [model.delimiter_id if token == DELIMITER else token for token in case.compressed]
     torch.manual_seed(SEED)
     cache = DynamicCache()
     rerotated: dict[int, list[list[int]]] = {}
-    with torch.no_grad(), _ties(case.ties), _rerotations(kvpress, rerotated), press(model):
+    prefill = press(model) if spec.decoding in ("", "prefill") else contextlib.nullcontext()
+    with torch.no_grad(), _ties(case.ties, in_order=bool(spec.decoding)), _rerotations(kvpress, rerotated), prefill:
         model.model(input_ids=torch.tensor([ids]), past_key_values=cache)
     if PRESSES[case.press].rerotated:
         kept = [[sorted(head) for head in rerotated[layer]] for layer in range(len(cache.layers))]
@@ -349,11 +406,24 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
                 )  # fmt: skip
         return out.logits[0, -1].float()
 
-    decoding = press(model) if PRESSES[case.press].decoding else contextlib.nullcontext()
-    with decoding:  # as kvpress's pipeline runs DMSPress(decoding=True)
+    decoding = press(model) if spec.decoding or spec.drops else contextlib.nullcontext()
+    with _ties(case.ties, in_order=bool(spec.decoding)), decoding:  # as kvpress's pipeline decodes
         tokens, logits = greedy(step, case, start, new_tokens, stop)
-    end = _kept(model, cache, [layer.keys[0] for layer in cache.layers]) if PRESSES[case.press].decoding else None
+    end = _kept(model, cache, [layer.keys[0] for layer in cache.layers]) if spec.drops else None
     return {"kept": kept, "end": end, "ratio": ratio, "tokens": tokens, "logits": logits}
+
+
+def _decoding_press(kvpress: Any, spec: Press, case: Case) -> Any:
+    """The case's kvpress decoding press (:attr:`Press.decoding`), compressing every :data:`INTERVAL` forwards."""
+    target = max(1, int(len(case.context) * (1 - case.ratio)))
+    if spec.decoding == "ratio":
+        return kvpress.CompressionRatioDecodingPress(
+            base_press=spec.kvpress(kvpress, 0.0), compression_interval=INTERVAL, target_compression_ratio=case.ratio
+        )
+    decoding = kvpress.DecodingPress(spec.kvpress(kvpress, 0.0), compression_interval=INTERVAL, target_size=target)
+    if spec.decoding == "size":
+        return decoding
+    return kvpress.PrefillDecodingPress(prefilling_press=spec.kvpress(kvpress, case.ratio), decoding_press=decoding)
 
 
 def _kept(model: Any, cache: Any, full: list[torch.Tensor]) -> list[list[list[int]]]:
@@ -396,25 +466,40 @@ class _rerotations:
 
 class _ties:
     """Within the block, ``torch.topk`` (function and method) breaks ties towards the largest index, as h2o_eval
-    keeps the newest of tied tokens; ``topk``: as it is."""
+    keeps the newest of tied tokens (``newest``); ``topk``: as it is. ``ordered``, and ``newest`` with ``in_order``:
+    the kept indices also come in increasing order, so that a cache compressed again (a decoding press's) stays in
+    position order, where the largest index is the newest token."""
 
-    def __init__(self, ties: str) -> None:
-        self.ties = ties
+    def __init__(self, ties: str, in_order: bool = False) -> None:
+        self.ties, self.in_order = ties, in_order
 
     def __enter__(self) -> None:
         self.saved = (torch.topk, torch.Tensor.topk)
-        if self.ties == "newest":
-            torch.topk = torch.Tensor.topk = _newest_topk
+        if self.ties == "topk":
+            return
+        original, newest, in_order = torch.topk, self.ties == "newest", self.in_order or self.ties == "ordered"
+
+        def topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+            if newest:
+                return _newest_topk(self, k, dim, largest, sorted, in_order)
+            indices = original(self, k, dim=dim, largest=largest, sorted=sorted).indices.sort(dim=dim).values
+            return torch.return_types.topk((self.gather(dim, indices), indices))
+
+        torch.topk = torch.Tensor.topk = topk
 
     def __exit__(self, *exc: Any) -> None:
         torch.topk, torch.Tensor.topk = self.saved
 
 
-def _newest_topk(self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):
+def _newest_topk(
+    self: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True, in_order: bool = False
+):
     ranked = self if largest else -self
     flipped = ranked.flip(dim)
     order = torch.argsort(flipped, dim=dim, descending=True, stable=True).narrow(dim, 0, k)
     indices = self.shape[dim] - 1 - order
+    if in_order:
+        indices = indices.sort(dim=dim).values
     return torch.return_types.topk((self.gather(dim, indices), indices))
 
 
@@ -506,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
         if kvpress_result.get("ratio") is not None:  # a threshold: the compression ratio each side realised
             held = f"{held:g} (ratio {1 - held / len(case.context):.4f}, kvpress {kvpress_result['ratio']:.4f})"
             end = sum(len(head) for layer in mine["end"] for head in layer) / sum(len(layer) for layer in mine["end"])
-            held += f", {end:g} at the end" if PRESSES[case.press].decoding else ""
+            held += f", {end:g} at the end" if PRESSES[case.press].drops else ""
         print(f"| {case.press} | {case.prompt} | {case.ratio} | {case.ties} | {len(case.context)} | {held} | "
               f"{heads} | {equal} | {difference:.2e} |", flush=True)  # fmt: skip
 

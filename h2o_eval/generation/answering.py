@@ -32,7 +32,7 @@ from h2o_eval.generation.completion import complete
 from h2o_eval.generation.log import GenerationLog, Progress
 from h2o_eval.generation.passes import answer_key, decode, feed, settle
 from h2o_eval.groups import SharedPrompt
-from h2o_eval.policies import Policy
+from h2o_eval.policies import Interval, Policy
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class Answers:
 @dataclass(frozen=True)
 class Settings:
     """How the cells answer: greedy tokens up to ``max_new_tokens``, ``batch_size`` documents (or prompts) at a time,
-    the caches' ``kernels``, ``decoding`` rule and ``graphs``, and whether copies are decoded stacked."""
+    the caches' ``kernels``, ``decoding`` rule (and ``decoding=interval``'s settings) and ``graphs``, and whether
+    copies are decoded stacked."""
 
     max_new_tokens: int
     batch_size: int
@@ -71,6 +72,7 @@ class Settings:
     decoding: str = "evict"
     graphs: bool = True
     stack: bool = False
+    interval: Interval | None = None
 
 
 def answer(
@@ -124,6 +126,7 @@ class _Answering:
                 kernels=settings.kernels,
                 decoding=settings.decoding,
                 graphs=settings.graphs,
+                interval=settings.interval,
             )  # fmt: skip
             for i in members
         }

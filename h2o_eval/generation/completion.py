@@ -13,7 +13,7 @@ from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import Batch, end_tokens
 from h2o_eval.generation.log import GenerationLog
 from h2o_eval.generation.passes import decode, feed, settle
-from h2o_eval.policies import Policy
+from h2o_eval.policies import Interval, Policy
 
 
 def complete(
@@ -79,11 +79,14 @@ def generate(
     kernels: str,
     decoding: str = "evict",
     graphs: bool = True,
+    interval: Interval | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, EvictionCache]:
     """Generate for a batch through a fresh :class:`EvictionCache` (:func:`complete`). Returns the sequences
     (prompt + new tokens) and the cache."""
-    cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels, decoding=decoding, graphs=graphs)
+    cache = EvictionCache(
+        model, policy, protocol=protocol, kernels=kernels, decoding=decoding, graphs=graphs, interval=interval
+    )
     return complete(model, cache, batch, tokenizer, **kwargs), cache
 
 

@@ -20,12 +20,14 @@ from h2o_eval.policies.base import (
     PROTOCOLS,
     ROUNDINGS,
     UNBOUNDED,
+    Interval,
     Plan,
     Policy,
     Rule,
     check_decoding,
     check_kernels,
     check_protocol,
+    refuse_interval_policy,
 )
 from h2o_eval.policies.full import Full
 from h2o_eval.policies.wrapper import Wrapper
@@ -57,12 +59,14 @@ __all__ = [
     "PROTOCOLS",
     "ROUNDINGS",
     "UNBOUNDED",
+    "Interval",
     "Plan",
     "Policy",
     "Rule",
     "check_decoding",
     "check_kernels",
     "check_protocol",
+    "configured_interval",
     "configured_policy",
     "example_policy",
     "make_policy",
@@ -116,6 +120,27 @@ def configured_policy(config: Mapping[str, Any]) -> Policy:
         if params["base"] == "dms":
             raise ConfigError("threshold=... wraps the policy in dms, and policy=dms has its own: give one of them")
     return make_policy(name, budget=config["budget"], rounding=config["rounding"], **params)
+
+
+def configured_interval(config: Mapping[str, Any], policy: Policy) -> Interval | None:
+    """``decoding=interval``'s settings a run's config names (its ``interval`` group: ``compression_interval``,
+    ``target_size`` or ``target_ratio``, and ``policy``, the decoding policy as a name or a mapping of its name and
+    parameters, null for the run's own ``policy``); None under another decoding."""
+    if config.get("decoding") != "interval":
+        return None
+    group = dict(config.get("interval") or {})
+    known = ("compression_interval", "target_size", "target_ratio", "policy")
+    if unknown := set(group) - set(known):
+        raise ConfigError(f"interval takes no {', '.join(sorted(unknown))}: its settings are {', '.join(known)}")
+    spec = group.pop("policy", None)
+    if spec is None:
+        refuse_interval_policy(policy)
+        return Interval(**group)
+    spec = {"name": spec} if isinstance(spec, str) else spec
+    if not isinstance(spec, Mapping) or "name" not in spec:
+        raise ConfigError(f"interval.policy={spec!r}: use a policy name, or {{name: snapkv, window: 4}}")
+    params = {key: value for key, value in spec.items() if key != "name"}
+    return Interval(**group, policy=make_policy(spec["name"], 1.0, **params))
 
 
 def example_policy(name: str, budget: float | int = 0.5) -> Policy:

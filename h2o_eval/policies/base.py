@@ -14,6 +14,7 @@ token is always held.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,8 +32,10 @@ PROTOCOLS = ("simulate", "prefill", "context")
 # budget), down = int(b * L) (kvpress's int(L * (1 - compression_ratio))); C is at least 1 either way.
 ROUNDINGS = ("up", "down")
 # After a prefill/context compression: evict = the policy's own rule (evicting policies keep evicting one token per
-# arriving token); grow = nothing is evicted after the compression (kvpress's pipeline, whose presses act once).
-DECODINGS = ("evict", "grow")
+# arriving token); grow = nothing is evicted after the compression (kvpress's pipeline, whose presses act once);
+# interval = nothing is evicted by an arriving token, and every ``compression_interval`` forwards the cache is
+# compressed by a policy's scores (:class:`Interval`: kvpress's DecodingPress).
+DECODINGS = ("evict", "grow", "interval")
 # Implementations of the mechanism: auto (Triton kernels on CUDA, the numba-compiled scan elsewhere), torch (the
 # plain reference loop), triton (the Triton kernels, forced).
 KERNELS = ("auto", "torch", "triton")
@@ -363,19 +366,94 @@ def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:
 
 
 def check_decoding(protocol: str, decoding: str, policy: Policy | None = None) -> None:
-    """Refuse a decoding rule that does not exist, ``grow`` where nothing is compressed (simulate), or ``grow`` for
-    a ``policy`` that drops tokens while decoding (a threshold's ``decoding=true``)."""
+    """Refuse a decoding rule that does not exist, ``grow`` or ``interval`` where nothing is compressed (simulate),
+    or either for a ``policy`` that drops tokens while decoding (a threshold's ``decoding=true``)."""
     if decoding not in DECODINGS:
         raise ConfigError(f"decoding={decoding!r}: use one of {', '.join(DECODINGS)}")
-    if decoding == "grow" and policy is not None and policy.rule.drops:
+    if decoding != "evict" and policy is not None and policy.rule.drops:
         raise ConfigError(
-            f"policy {policy.name!r} drops tokens below its threshold while decoding, and decoding=grow keeps every "
-            "token after the prompt: use decoding=evict (or policy.decoding=false)"
+            f"policy {policy.name!r} drops tokens below its threshold while decoding, and decoding={decoding} "
+            "decides what later tokens stay: use decoding=evict (or policy.decoding=false)"
         )
-    if decoding == "grow" and protocol == "simulate":
+    if decoding != "evict" and protocol == "simulate":
+        kept = "keeps every token" if decoding == "grow" else "compresses every N forwards"
         raise ConfigError(
-            "decoding=grow keeps every token after a prompt's compression, and simulate compresses none: use "
+            f"decoding={decoding} {kept} after a prompt's compression, and simulate compresses none: use "
             "protocol=prefill or context (or decoding=evict)"
+        )
+
+
+@dataclass(frozen=True)
+class Interval:
+    """``decoding=interval`` (kvpress's DecodingPress, CompressionRatioDecodingPress and, with ``policy``,
+    PrefillDecodingPress): after the prompt's compression nothing is evicted by an arriving token; every
+    ``compression_interval`` forwards after the prompt (a chunk such as the question counts one, as each generated
+    token), and after a chunk of at least the target's tokens, each (sequence, layer, KV head) is compressed to the
+    target by ``policy``'s scores over everything it holds, before the next forward. The steps between are captured
+    as CUDA graphs when ``policy`` scores by key scores alone (each compression lays the buffers out anew, and the
+    step after it is captured again); a policy that votes keeps each step's attention input, so its steps run eagerly.
+
+    Args:
+        compression_interval: forwards between two compressions (kvpress's ``compression_interval``).
+        target_size: the tokens each KV head keeps (kvpress's ``target_size``), 2048 if neither target is given.
+        target_ratio: instead, the share of the tokens seen so far that goes, kvpress's
+            ``target_compression_ratio`` in [0, 1): each compression keeps max(1, int(seen * (1 - target_ratio))).
+        policy: whose scores and layout (recent window, sinks, at the target) choose the tokens kept; None: the
+            cache's own policy. Its budget is not read.
+    """
+
+    compression_interval: int = 512
+    target_size: int | None = None
+    target_ratio: float | None = None
+    policy: Policy | None = None
+
+    def __post_init__(self) -> None:
+        check_number("decoding=interval", "compression_interval", self.compression_interval, integer=True, low=1)
+        if self.target_size is not None and self.target_ratio is not None:
+            raise ConfigError("decoding=interval: give target_size or target_ratio, not both (set the other to null)")
+        if self.target_size is not None:
+            check_number("decoding=interval", "target_size", self.target_size, integer=True, low=1)
+        ratio = self.target_ratio
+        if ratio is not None and (not isinstance(ratio, int | float) or isinstance(ratio, bool) or not 0 <= ratio < 1):
+            raise ConfigError(f"decoding=interval: target_ratio={ratio!r}: use a fraction in [0, 1)")
+        if self.policy is not None:
+            refuse_interval_policy(self.policy)
+
+    def layout(self, policy: Policy, seen: int, layer: int, num_layers: int) -> Plan:
+        """The layout a compression keeps once ``seen`` tokens were fed: C = the target, and the recent window and
+        sinks ``policy`` (the decoding policy) plans at that C."""
+        target = self.target(seen)
+        plan = dataclasses.replace(policy, budget=target).plan(target, layer, num_layers)
+        return Plan(capacity=target, recent=min(plan.recent, target), sinks=min(plan.sinks, target))
+
+    def target(self, seen: int) -> int:
+        """The tokens a KV head keeps after a compression once ``seen`` tokens were fed (the longest sequence's)."""
+        if self.target_ratio is not None:
+            return max(1, int(seen * (1 - self.target_ratio)))
+        return 2048 if self.target_size is None else self.target_size
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "compression_interval": self.compression_interval,
+            "target_size": self.target_size,
+            "target_ratio": self.target_ratio,
+            "policy": None if self.policy is None else self.policy.describe(),
+        }
+
+
+def refuse_interval_policy(policy: Policy) -> None:
+    """Refuse a policy whose scores an interval compression cannot make: it scores only by key scores and by the
+    attention of the queries fed since the last compression."""
+    if any(field.name == "base" for field in fields(policy)):
+        raise ConfigError(
+            f"decoding=interval: policy {policy.name!r} wraps a base policy, whose layout an interval compression "
+            "does not share out: use its base (e.g. snapkv, knorm) as the decoding policy"
+        )
+    if policy.rescores or policy.rehearses or not policy.has_cache:
+        raise ConfigError(
+            f"decoding=interval: policy {policy.name!r} scores a prompt by its own pass over it, which an interval "
+            "compression has not: use a policy scored by key scores or attention votes (knorm, snapkv, h2o, tova, "
+            "keydiff, random, streaming)"
         )
 
 

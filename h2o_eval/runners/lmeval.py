@@ -22,6 +22,7 @@ import yaml
 from h2o_eval import hub
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
+from h2o_eval.policies import configured_interval
 from h2o_eval.runners import Evaluation, Runner, task_registry
 
 
@@ -255,7 +256,8 @@ class LmEvalRunner(Runner):
         with tempfile.TemporaryDirectory(prefix="h2o_eval-lm_eval-") as folder:
             manager = task_manager(task, config["data_dir"], Path(folder))
             lm_task = manager.load([task["name"]])["tasks"][task["name"]]
-        with patch(model, policy, config["protocol"], config["kernels"], config["decoding"]) as session:
+        interval = configured_interval(config, policy)
+        with patch(model, policy, config["protocol"], config["kernels"], config["decoding"], interval) as session:
             lm = EvictionLM(
                 pretrained=model,
                 tokenizer=tokenizer,

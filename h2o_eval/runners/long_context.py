@@ -23,6 +23,7 @@ from typing import Any
 
 from h2o_eval import ruler
 from h2o_eval.errors import ConfigError
+from h2o_eval.policies import configured_interval
 from h2o_eval.runners import Evaluation, Runner
 
 CONTROL = re.compile(r"[\x00-\x1f]")
@@ -176,6 +177,7 @@ class LongContextRunner(Runner):
             decoding=config["decoding"],
             graphs=config["graphs"],
             stack=config["stack_cells"],
+            interval=configured_interval(config, cells[0][0]),
         )
         answered = generation.answer(
             model,

@@ -15,6 +15,7 @@ import yaml
 from h2o_eval import hub
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
+from h2o_eval.policies import configured_interval
 from h2o_eval.runners import Evaluation, Runner
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -165,6 +166,7 @@ class SummarisationRunner(Runner):
                 kernels=config["kernels"],
                 decoding=config["decoding"],
                 graphs=config["graphs"],
+                interval=configured_interval(config, policy),
                 max_new_tokens=max_new_tokens,
                 do_sample=settings["sample"],
                 temperature=settings["temperature"] if settings["sample"] else None,

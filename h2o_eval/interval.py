@@ -1,0 +1,162 @@
+"""``decoding=interval`` (kvpress's DecodingPress): what a layer counts between two compressions, and the scores it
+is compressed by.
+
+A layer under ``decoding=interval`` grows after its prompt's compression (every arriving token is held) and counts,
+on the host, the forwards fed since its last compression (:class:`Steps`); before the forward after the
+``steps``-th (or after a chunk of at least the target's tokens) it is compressed to the target, as a prompt is
+(:func:`h2o_eval.compression.compress`), by the decoding policy's scores over everything it holds
+(:func:`interval_scores`): its key scores, plus the attention votes of the queries fed since the last compression,
+rebuilt from the attention's input as kvpress's DecodingPress rebuilds them from its buffered hidden states (query
+projection, then the last forward's rotary embedding: each row at its own position if that forward fed them all,
+else every one at the newest token's position), each voting row over the held tokens up to its own position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from h2o_eval.compression import compress
+from h2o_eval.decode import Slots
+from h2o_eval.errors import ConfigError
+from h2o_eval.policies import UNBOUNDED, Interval, Policy, Rule
+from h2o_eval.policies.base import Combine, Votes
+from h2o_eval.policies.inputs import _query_projection
+
+
+class Steps:
+    """One layer's host counts between two compressions under ``decoding=interval`` (none under another decoding,
+    ``interval`` None): the forwards fed (``steps``) and the last one's tokens per sequence (``chunk``); for a decoding
+    policy whose votes read the newest ``keep`` rows (0: none), their attention input (``rows``, [B, m, hidden]
+    each), attention module and logit scale."""
+
+    def __init__(self, interval: Interval | None) -> None:
+        self.interval = interval
+        self.keep = 0 if interval is None else voters(interval.policy.rule, UNBOUNDED)
+        self.steps = 0
+        self.chunk = 0
+        self.rows: list[torch.Tensor] = []
+        self.module: torch.nn.Module | None = None
+        self.scaling = 1.0
+
+    def fed(self, chunk: int) -> None:
+        """A forward of ``chunk`` tokens per sequence after the prompt."""
+        if self.interval is not None:
+            self.steps += 1
+            self.chunk = chunk
+
+    def saw(self, layer, module: torch.nn.Module, hidden_states: torch.Tensor | None, scaling: float) -> None:
+        """Before ``layer`` attends a forward after its prompt: keep its attention input [B, n, hidden] (and its
+        module and logit scale) where the decoding policy's votes read it."""
+        if not self.keep or not layer.seen or layer.window is not None:
+            return
+        if hidden_states is None:
+            raise ConfigError("decoding=interval: this decoding policy votes, and the model does not pass the "
+                              "attention's input: use a key-scored decoding policy such as knorm")  # fmt: skip
+        self.module, self.scaling = module, scaling
+        self.rows.append(hidden_states.detach())
+        while sum(rows.shape[1] for rows in self.rows[1:]) >= self.keep:
+            self.rows.pop(0)
+
+    def due(self, seen: int) -> bool:
+        """Whether the layer is compressed before its next forward, ``seen`` tokens having been fed."""
+        interval = self.interval
+        return self.steps >= interval.compression_interval or (self.steps > 0 and self.chunk >= interval.target(seen))
+
+    def reset(self) -> None:
+        self.steps, self.chunk, self.rows = 0, 0, []
+
+    def rows_of(self, rows: list[int]) -> Steps:
+        """A copy for the sequences ``rows``."""
+        copy = Steps(self.interval)
+        copy.steps, copy.chunk, copy.module, copy.scaling = self.steps, self.chunk, self.module, self.scaling
+        copy.rows = [hidden[rows] for hidden in self.rows]
+        return copy
+
+
+def voters(rule: Rule, fed: int) -> int:
+    """How many of the newest ``fed`` rows vote under ``rule``: the window's, every one, the latest, or none."""
+    if rule.votes == Votes.NONE:
+        return 0
+    if rule.combine == Combine.REPLACE:
+        return 1
+    return fed if rule.votes == Votes.ALL else rule.window
+
+
+def interval_scores(
+    policy: Policy,
+    layer: int,
+    keys: torch.Tensor,
+    held: torch.Tensor,
+    position: torch.Tensor,
+    now: torch.Tensor,
+    steps: Steps,
+    rotary,
+    scaling: float,
+) -> torch.Tensor:
+    """[B, Hkv, S] the decoding policy's scores of the slots (keys [B, Hkv, S, D], ``held``, ``position``) of a layer
+    whose newest token is at ``now`` [B]: its key scores, and the attention its voting rows give the held tokens
+    (summed over the rows and the KV head's query heads; their queries rotated as the module says, each row seeing
+    the held tokens up to its own position)."""
+    rule = policy.rule
+    found = policy.key_scores(keys, position, layer)
+    scores = torch.zeros(held.shape, dtype=torch.float32, device=keys.device) if found is None else found.float()
+    if not steps.rows:
+        return scores
+    hidden = torch.cat(steps.rows, dim=1)
+    count = min(voters(rule, hidden.shape[1]), hidden.shape[1])
+    if rotary is None:
+        raise ConfigError("decoding=interval: a voting decoding policy rebuilds queries with the rotary embedding, "
+                          "which this model has not: use a key-scored decoding policy such as knorm")  # fmt: skip
+    batch, kv_heads, slots, dim = keys.shape
+    heads = steps.module.config.num_attention_heads
+    query = _query_projection(steps.module, hidden[:, hidden.shape[1] - count :], heads, dim).to(keys.dtype)
+    # kvpress rotates the rows with the last forward's rotary embedding: each at its own position when that forward
+    # fed them all, else every one at the newest token's position.
+    offset = torch.arange(1 - count, 1, device=keys.device) if steps.chunk >= count else now.new_zeros(1)
+    at = (now.view(-1, 1) + offset.view(1, -1)).expand(batch, -1)
+    cos, sin = rotary(layer, at.reshape(-1))  # [B * rows, D]
+    cos, sin = cos.view(batch, 1, -1, dim), sin.view(batch, 1, -1, dim)
+    half = torch.cat((-query[..., dim // 2 :], query[..., : dim // 2]), dim=-1)
+    query = (query * cos + half * sin).view(batch, kv_heads, heads // kv_heads, count, dim)
+    logits = torch.matmul(query.float(), keys.float().unsqueeze(2).transpose(-1, -2)) * scaling
+    row = now.view(-1, 1, 1) - count + 1 + torch.arange(count, device=keys.device).view(1, -1, 1)  # [B, count, 1]
+    visible = held.unsqueeze(-2) & (position.unsqueeze(-2) <= row.unsqueeze(1))  # [B, Hkv, count, S]
+    probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), float("-inf")), dim=-1)
+    votes = probs.sum((2, 3))
+    return votes if rule.combine == Combine.REPLACE else scores + votes
+
+
+def between(layer, chunk: int = 0) -> None:
+    """Before a forward of ``chunk`` tokens per sequence through ``layer`` (an :class:`~h2o_eval.layer.EvictionLayer`;
+    0: a replayed decode step, counted by :meth:`~h2o_eval.cache.EvictionCache.advance`), under ``decoding=interval``:
+    compress it to the target when its host counts say so (it then reads the device, as a chunk does), then count
+    the forward (not the prompt's, nor an extra pass)."""
+    steps = layer.steps
+    if steps.interval is None or layer.window is not None or layer.shared.rehearsing is not None:
+        return
+    if steps.due(layer.seen):
+        compress_layer(layer)
+    if chunk and layer.seen:
+        steps.fed(chunk)
+
+
+def compress_layer(layer) -> None:
+    """Compress ``layer`` to the target by its decoding policy's scores over everything it holds."""
+    steps, context = layer.steps, layer.context
+    interval = steps.interval
+    slots = layer._compacted()
+    held, position = slots.held, slots.position
+    now = torch.where(held, position, -1).amax((1, 2))  # the newest token held is the newest fed
+    plan = interval.layout(interval.policy, layer.seen, layer.layer_idx, context.num_layers)
+    device = held.device
+    capacity = torch.full(held.shape[:2], plan.capacity, dtype=torch.int64, device=device)
+    recent = torch.full(now.shape, plan.recent, dtype=torch.int64, device=device)
+    sinks = torch.full(now.shape, plan.sinks, dtype=torch.int64, device=device)
+    scores = interval_scores(
+        interval.policy, layer.layer_idx, slots.keys, held, position, now, steps, context.rotary, steps.scaling
+    )
+    kept, scores, _ = compress(held, scores, position, capacity, recent, sinks, now, interval.policy.rule)
+    layer.peak = max(layer.peak, layer.most)
+    layer._keep(Slots(slots.keys, slots.values, kept, position, scores), held)
+    layer._settled()
+    steps.reset()
