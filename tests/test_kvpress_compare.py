@@ -69,3 +69,18 @@ def test_kvpress_ties_can_be_broken_towards_the_newest_token():
     scores = torch.tensor([[1.0, 3.0, 1.0, 3.0, 1.0]])
     assert _newest_topk(scores, 3).indices.tolist() == [[3, 1, 4]]
     assert _newest_topk(-scores, 2, largest=False).indices.tolist() == [[3, 1]]
+
+
+def test_ruler_prompts_read_the_packages_task_configs_and_word_them_as_kvpress(data_dir):
+    """The prompts come from the installed package's task configs (an editable install keeps conf/ beside the
+    package), worded as kvpress's pipeline words them: the chat template's user turn holds the context, the question
+    and the answer prefix come after it."""
+    from h2o_eval.benchmarks.kvpress_compare import ruler_prompts
+    from h2o_eval.models import smollm2_tokenizer
+
+    tokenizer = smollm2_tokenizer()
+    [(name, prompt)] = ruler_prompts(tokenizer, data_dir, ["qa_1"], 512).items()
+    context, question, suffix = (tokenizer.decode(prompt[part]) for part in ("context", "question", "suffix"))
+    assert name == "qa_1" and context.startswith("<|im_start|>") and "<|im_start|>user" in context
+    assert "?" in question and "<|im_start|>assistant" in suffix and suffix.endswith("Answer:")
+    assert sum(len(prompt[part]) for part in ("context", "question", "suffix")) <= 512

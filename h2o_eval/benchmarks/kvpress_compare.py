@@ -220,14 +220,15 @@ def ruler_prompts(tokenizer: Any, data_dir: Path, tasks: list[str], length: int)
     """Per RULER task its first document as token ids, worded as kvpress's pipeline words it: ``context`` (the
     chat template up to the end of the context), ``question``, and ``suffix`` (the end of the user turn, the
     assistant header and the answer prefix)."""
-    from omegaconf import OmegaConf
+    from importlib import resources
 
-    import h2o_eval
+    import yaml
+
     from h2o_eval import ruler
 
     found = {}
-    for name in tasks:
-        task = OmegaConf.to_container(OmegaConf.load(Path(h2o_eval.__file__).parent / "conf" / "task" / f"{name}.yaml"))
+    for name in tasks:  # the task's config where the package's configs are, installed or editable
+        task = yaml.safe_load((resources.files("h2o_eval.conf") / "task" / f"{name}.yaml").read_text())
         task["length"] = length
         [document] = ruler.generate(task, count_tokens=ruler.fit_counter(task, tokenizer), data_dir=data_dir, limit=1)
         asked = document["questions"][0]
