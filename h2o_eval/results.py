@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import data, settings
-from h2o_eval.policies import Policy, configured_policy
+from h2o_eval.policies import Policy, configured_interval, configured_policy
 from h2o_eval.runners import runner_of
 
 SCHEMA_VERSION = 1
@@ -67,17 +67,35 @@ def identity(config: dict[str, Any], policy: Policy | None = None) -> dict[str, 
     whatever the config spelled out), and the data it reads: ``hub``, or the hash of the local files' content (see
     :func:`h2o_eval.data.fingerprint`; for ``task=lm_eval`` with ``task.include_path`` also the task's YAMLs, whose
     folder, like ``data_dir``, is not identity). ``policy``: the config's policy, when it is built already."""
-    built = (policy or configured_policy(config)).describe()
-    return _identity(config, built, data_fingerprint(config))
+    policy = policy or configured_policy(config)
+    return _identity(config, policy.describe(), data_fingerprint(config), interval_params(config, policy))
+
+
+def interval_params(config: dict[str, Any], policy: Policy) -> dict[str, Any] | None:
+    """``decoding=interval``'s settings as built: its counts and its decoding policy described as a policy is
+    (every parameter, whatever the config spelled out; None: the run's own), so ``interval.policy=knorm`` and
+    ``{name: knorm}`` are one setting and a changed default is a new one. None under another decoding."""
+    interval = configured_interval(config, policy)
+    if interval is None:
+        return None
+    built = None if interval.policy is None else interval.policy.describe()
+    return {
+        "compression_interval": interval.compression_interval,
+        "target_size": interval.target_size,
+        "target_ratio": interval.target_ratio,
+        "policy": built,
+    }
 
 
 def record_identity(record: dict[str, Any]) -> dict[str, Any]:
-    """:func:`identity` of a stored record, from what it holds (its config, built policy and data hash): nothing is
-    rebuilt or read again."""
-    return _identity(record["config"], record["policy_params"], record["data"])
+    """:func:`identity` of a stored record, from what it holds (its config, built policy, built interval settings and
+    data hash): nothing is rebuilt or read again."""
+    return _identity(record["config"], record["policy_params"], record["data"], record.get("interval_params"))
 
 
-def _identity(config: dict[str, Any], built_policy: dict[str, Any], data_hash: str) -> dict[str, Any]:
+def _identity(
+    config: dict[str, Any], built_policy: dict[str, Any], data_hash: str, interval: dict[str, Any] | None
+) -> dict[str, Any]:
     ident = {key: value for key, value in config.items() if key not in NOT_IDENTITY and key != "generation"}
     if ident.get("threshold", 0) is None:  # no threshold: the identity of the records made before the setting
         del ident["threshold"]
@@ -85,7 +103,7 @@ def _identity(config: dict[str, Any], built_policy: dict[str, Any], data_hash: s
     ident |= runner_of(config["task"]).identity(config)
     ident["built_policy"] = built_policy
     if config.get("decoding") == "interval":
-        ident["interval"] = config["interval"]
+        ident["interval"] = interval
     ident["data"] = data_hash
     return ident
 

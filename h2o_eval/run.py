@@ -235,6 +235,7 @@ def finish(
         "budget": config["budget"],
         "heavy_ratio": getattr(policy, "heavy_ratio", None),
         "policy_params": policy.describe(),
+        **({"interval_params": spec.identity["interval"]} if "interval" in spec.identity else {}),
         "protocol": config["protocol"],
         "num_fewshot": config["num_fewshot"],
         "limit": config["limit"],

@@ -162,9 +162,12 @@ def test_a_run_under_decoding_interval_names_its_settings_and_records_the_genera
     assert spec.departures["interval.policy"] == "knorm" and spec.departures["interval.compression_interval"] == 4
     other = validate(make_config(data_dir, tmp_path, **settings, **(interval | {"interval.target_size": 41})))
     assert other.path != spec.path
+    spelled = validate(make_config(data_dir, tmp_path, **settings, **interval, **{"interval.policy": "{name:knorm}"}))
+    assert spelled.path == spec.path and spec.identity["interval"]["policy"] == make_policy("knorm", 1.0).describe()
     grown = make_config(data_dir, tmp_path, **settings, decoding="grow")
     assert results.record_path(tmp_path, {**grown, "interval": {"compression_interval": 3}}) == validate(grown).path
     with pytest.raises(ConfigError, match="interval.policy=3: use a policy name"):
         validate(make_config(data_dir, tmp_path, **settings, **interval, **{"interval.policy": 3}))
     record = run(make_config(data_dir, tmp_path, **settings, **interval), tmp_path)
     assert record["generation"]["generated_tokens_mean"] > 4
+    assert results.record_identity(record) == validate(make_config(data_dir, tmp_path, **settings, **interval)).identity
