@@ -66,10 +66,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 SEED = 42  # kvpress's evaluation seed, and the default seed of the policies with random sketches
 INTERVAL = 8  # the decoding presses' compression_interval (kvpress's default is 512: the cases generate past 8)
@@ -220,10 +222,6 @@ def ruler_prompts(tokenizer: Any, data_dir: Path, tasks: list[str], length: int)
     """Per RULER task its first document as token ids, worded as kvpress's pipeline words it: ``context`` (the
     chat template up to the end of the context), ``question``, and ``suffix`` (the end of the user turn, the
     assistant header and the answer prefix)."""
-    from importlib import resources
-
-    import yaml
-
     from h2o_eval import ruler
 
     found = {}
