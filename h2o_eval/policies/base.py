@@ -352,6 +352,22 @@ class Policy:
         return described
 
 
+@dataclass(frozen=True)
+class PromptScorer(Policy):
+    """A policy that scores a prompt once, when it is compressed (:meth:`Policy.compression_scores`), and keeps every
+    later token, as kvpress's ScorerPress does: no votes while decoding, nothing protected unless :meth:`plan` says
+    otherwise. Prefill and context protocols only."""
+
+    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
+
+    @property
+    def rule(self) -> Rule:
+        return Rule(grows=True)
+
+    def plan(self, length: int, layer: int = 0, num_layers: int = 1) -> Plan:
+        return Plan(capacity=self.capacity(length), recent=0)
+
+
 def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:
     """Refuse a protocol or kernel choice that does not exist, or that this policy cannot run."""
     if protocol not in PROTOCOLS:

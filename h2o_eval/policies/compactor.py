@@ -5,14 +5,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from h2o_eval.policies.base import Plan, Policy, Rule, check_number
+from h2o_eval.policies.base import Plan, PromptScorer, check_number
 from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.leverage import sketched_leverage
 from h2o_eval.policies.non_causal_attention import non_causal_scores
 
 
 @dataclass(frozen=True)
-class Compactor(Policy):
+class Compactor(PromptScorer):
     """Compactor (Chari & Van Durme 2025, arXiv:2507.08143; kvpress's ``CompactorPress``): keep the tokens that
     are outliers of the key geometry or that their chunk attends to.
 
@@ -44,7 +44,6 @@ class Compactor(Policy):
     blending: float | None = None
     seed: int = 42
     name: ClassVar[str] = "compactor"
-    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
     example: ClassVar[dict[str, Any]] = {
         "sink_size_start": 2,
         "sink_size_end": 2,
@@ -60,10 +59,6 @@ class Compactor(Policy):
         check_number(self.name, "sketch_dimension", self.sketch_dimension, integer=True, low=1)
         if self.blending is not None:
             check_number(self.name, "blending", self.blending, low=0)
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(grows=True)
 
     def ends(self, length: int) -> tuple[int, int]:
         """The first and last tokens of a ``length``-token prompt that are kept whatever their score."""

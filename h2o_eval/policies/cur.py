@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies.base import Plan, Policy, Rule, check_flag, check_number
+from h2o_eval.policies.base import Plan, PromptScorer, check_flag, check_number
 from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.leverage import gaussian_sketch
 from h2o_eval.policies.sequences import each_sequence
@@ -25,7 +25,7 @@ def local_shares(norms: torch.Tensor, window: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class CUR(Policy):
+class CUR(PromptScorer):
     """CurDKV (Sengupta et al. 2025, arXiv:2509.15038; kvpress's ``CURPress``): keep the tokens of largest approximate
     leverage, from their keys' and values' squared norms.
 
@@ -54,7 +54,6 @@ class CUR(Policy):
     local_window_size: int = 16
     seed: int = 42
     name: ClassVar[str] = "cur"
-    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
     example: ClassVar[dict[str, Any]] = {"num_sinks": 2, "local_window_size": 4}
 
     def __post_init__(self) -> None:
@@ -68,10 +67,6 @@ class CUR(Policy):
             raise ConfigError(
                 f"{self.name}: leverage_type={self.leverage_type!r}: use one of {', '.join(LEVERAGE_TYPES)}"
             )
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(grows=True)
 
     def plan(self, length: int, layer: int = 0, num_layers: int = 1) -> Plan:
         capacity = self.capacity(length)

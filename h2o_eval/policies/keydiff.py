@@ -5,12 +5,12 @@ from typing import ClassVar
 
 import torch
 
-from h2o_eval.policies.base import Plan, Policy, Rule
+from h2o_eval.policies.base import PromptScorer
 from h2o_eval.policies.inputs import Prompt
 
 
 @dataclass(frozen=True)
-class KeyDiff(Policy):
+class KeyDiff(PromptScorer):
     """KeyDiff (Park et al. 2025, arXiv:2504.15364; kvpress's ``KeyDiffPress``): keep the keys least like the
     average key. A key's score is minus its cosine similarity to the mean of the prompt's unit-norm keys (per KV
     head); nothing is protected. Prefill and context protocols only.
@@ -20,14 +20,6 @@ class KeyDiff(Policy):
     """
 
     name: ClassVar[str] = "keydiff"
-    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(grows=True)
-
-    def plan(self, length: int, layer: int = 0, num_layers: int = 1) -> Plan:
-        return Plan(capacity=self.capacity(length), recent=0)
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         keys = prompt.key.float()

@@ -5,7 +5,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from h2o_eval.policies.base import Plan, Policy, Rule, check_flag, check_number
+from h2o_eval.policies.base import Plan, PromptScorer, check_flag, check_number
 from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.sequences import each_sequence
 
@@ -22,7 +22,7 @@ def lag_relative(states: torch.Tensor, lag_size: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class LagKV(Policy):
+class LagKV(PromptScorer):
     """LagKV (Liang et al. 2025, arXiv:2504.04704; kvpress's ``LagKVPress``): keep the tokens that stand out from
     the partition after them.
 
@@ -50,7 +50,6 @@ class LagKV(Policy):
     lag_size: int = 128
     cross_scoring: bool = False
     name: ClassVar[str] = "lagkv"
-    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
     example: ClassVar[dict[str, Any]] = {"n_sink": 2, "lag_size": 4}
 
     def __post_init__(self) -> None:
@@ -58,10 +57,6 @@ class LagKV(Policy):
         check_number(self.name, "n_sink", self.n_sink, integer=True, low=0)
         check_number(self.name, "lag_size", self.lag_size, integer=True, low=1)
         check_flag(self.name, "cross_scoring", self.cross_scoring)
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(grows=True)
 
     def tail(self, length: int) -> int:
         """The newest tokens kept with the sinks: the last partition and the remainder."""

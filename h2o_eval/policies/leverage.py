@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 import torch
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies.base import Plan, Policy, Rule, check_number
+from h2o_eval.policies.base import PromptScorer, check_number
 from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.sequences import each_sequence
 
@@ -86,7 +86,7 @@ def sketched_leverage(prompt: Prompt, columns: torch.Tensor, row: int, dimension
 
 
 @dataclass(frozen=True)
-class Leverage(Policy):
+class Leverage(PromptScorer):
     """Approximate leverage scores (Chari & Van Durme 2025, arXiv:2507.08143; kvpress's ``LeverageScorePress``):
     keep the keys that are outliers of the prompt's key geometry.
 
@@ -109,20 +109,12 @@ class Leverage(Policy):
     sketch_dimension: int = 48
     seed: int = 42
     name: ClassVar[str] = "leverage"
-    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
     example: ClassVar[dict[str, Any]] = {"sketch_dimension": 8}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_number(self.name, "sketch_dimension", self.sketch_dimension, integer=True, low=1)
         check_number(self.name, "seed", self.seed, integer=True, low=0)
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(grows=True)
-
-    def plan(self, length: int, layer: int = 0, num_layers: int = 1) -> Plan:
-        return Plan(capacity=self.capacity(length), recent=0)
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return prompt.once(f"leverage {self.sketch_dimension} {self.seed}", lambda: self._leverage(prompt))

@@ -6,7 +6,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from h2o_eval.policies.base import Plan, Policy, Rule, check_number
+from h2o_eval.policies.base import PromptScorer, check_number
 from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.leverage import z_normalize
 from h2o_eval.policies.sequences import each_sequence
@@ -42,7 +42,7 @@ def non_causal_scores(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 @dataclass(frozen=True)
-class NonCausalAttention(Policy):
+class NonCausalAttention(PromptScorer):
     """Non-causal chunked attention (Chari & Van Durme 2025, arXiv:2507.08143; kvpress's ``NonCausalAttnPress``):
     keep the tokens the prompt's queries of their chunk attend to most, looking both ways.
 
@@ -61,19 +61,11 @@ class NonCausalAttention(Policy):
 
     chunk_size: int = 256
     name: ClassVar[str] = "non_causal_attention"
-    protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
     example: ClassVar[dict[str, Any]] = {"chunk_size": 8}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_number(self.name, "chunk_size", self.chunk_size, integer=True, low=1)
-
-    @property
-    def rule(self) -> Rule:
-        return Rule(grows=True)
-
-    def plan(self, length: int, layer: int = 0, num_layers: int = 1) -> Plan:
-        return Plan(capacity=self.capacity(length), recent=0)
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return prompt.once(f"non_causal_attention {self.chunk_size}", lambda: self._scores(prompt))
