@@ -9,14 +9,13 @@ import math
 
 import pytest
 import torch
-from test_scorers import attention_inputs, kept_by_layer, top
+from test_scorers import attention_inputs, kept_by_layer, prompt_of, top
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import POLICIES, Plan
 from h2o_eval.policies.entropy_gated_chunkkv import gated_selection
-from h2o_eval.policies.inputs import Prompt
 from h2o_eval.policies.leverage import gaussian_sketch
 
 LENGTH = 40
@@ -60,27 +59,6 @@ def compressed(model, policy, ids) -> list[list[set[int]]]:
     with torch.no_grad():
         model(ids, cache=cache, use_cache=True)
     return kept_by_layer(cache)
-
-
-def hand_prompt(key, value=None, query=None, real=None, capacity=2) -> Prompt:
-    """A one-sequence prompt of keys [Hkv, n, D] (values and queries default to the keys; no rotary embedding)."""
-    key = torch.as_tensor(key, dtype=torch.float32).unsqueeze(0)
-    n = key.shape[2]
-    value = key if value is None else torch.as_tensor(value, dtype=torch.float32).unsqueeze(0)
-    query = key if query is None else torch.as_tensor(query, dtype=torch.float32).unsqueeze(0)
-    return Prompt(
-        module=torch.nn.Module(),
-        layer=0,
-        query=query,
-        key=key,
-        value=value,
-        position=torch.arange(n).view(1, n),
-        real=torch.ones(1, n, dtype=torch.bool) if real is None else torch.tensor([real]),
-        capacity=torch.full((1, key.shape[1]), capacity),
-        hidden_states=None,
-        rotary=None,
-        scaling=key.shape[-1] ** -0.5,
-    )
 
 
 def scores_of(policy, prompt, votes=None) -> torch.Tensor:
@@ -149,7 +127,7 @@ def test_every_parameter_is_checked_in_one_line(name, params, message):
 def test_observed_attention_averages_over_the_rows_that_saw_each_token():
     """Votes 2, 1.5, 1 (one query head) after a padding column: the three real rows saw token 0, two saw token 1,
     one saw token 2, so the averages 2/3, 3/4, 1 rank the tokens the other way round from H2O's sums."""
-    prompt = hand_prompt([[[1.0], [1.0], [1.0], [1.0]]], real=[False, True, True, True])
+    prompt = prompt_of([[[1.0], [1.0], [1.0], [1.0]]], real=[False, True, True, True])
     votes = torch.tensor([[[0.0, 2.0, 1.5, 1.0]]])
     scores = scores_of(make_policy("observed_attention", 2), prompt, votes)
     torch.testing.assert_close(scores[0, 0, 1:], torch.tensor([2 / 3, 3 / 4, 1.0]))
@@ -200,7 +178,7 @@ def test_lagkv_scores_each_partition_against_the_next(cross_scoring):
     keys, values = torch.randn(2, 12, 5, generator=gen), torch.randn(2, 12, 5, generator=gen)
     policy = make_policy("lagkv", 0.5, n_sink=1, lag_size=3, cross_scoring=cross_scoring)
     assert policy.plan(12) == Plan(capacity=6, recent=5, sinks=1)
-    scores = scores_of(policy, hand_prompt(keys, values))[0]
+    scores = scores_of(policy, prompt_of(keys, values))[0]
     for head in range(2):
         expected = (lag_reference(keys[head], 1, 3) + lag_reference(values[head], 1, 3)) / 2
         if not cross_scoring:
@@ -235,7 +213,7 @@ def test_leverage_scores_by_its_definition_with_kvpress_sketch():
     draw after torch.manual_seed(seed)."""
     gen = torch.Generator().manual_seed(5)
     keys = torch.randn(2, 12, 4, generator=gen) * torch.tensor([1.0, 3.0, 0.5, 2.0])
-    prompt = hand_prompt(keys)
+    prompt = prompt_of(keys)
     prompt.layer = 2
     scores = scores_of(make_policy("leverage", 0.5, sketch_dimension=3, seed=9), prompt)[0]
     expected = leverage_reference(keys, kvpress_sketch(9, 2, 2, 4, 3))
@@ -258,7 +236,7 @@ def test_cur_scores_local_shares_of_the_squared_norms(leverage_type):
     gen = torch.Generator().manual_seed(2)
     keys, values = torch.randn(2, 10, 3, generator=gen), torch.randn(2, 10, 3, generator=gen)
     policy = make_policy("cur", 0.5, num_sinks=2, local_window_size=4, leverage_type=leverage_type)
-    scores = scores_of(policy, hand_prompt(keys, values))[0]
+    scores = scores_of(policy, prompt_of(keys, values))[0]
     for head in range(2):
         shares = []
         for states in (keys[head], values[head]):
@@ -276,7 +254,7 @@ def test_cur_projects_by_the_layers_draw_of_the_seeded_generator():
     torch.manual_seed(seed) (kvpress's global generator, drawn once per layer), over sqrt(20)."""
     gen = torch.Generator().manual_seed(3)
     keys, values = torch.randn(1, 6, 3, generator=gen), torch.randn(1, 6, 3, generator=gen)
-    prompt = hand_prompt(keys, values)
+    prompt = prompt_of(keys, values)
     prompt.layer = 1
     policy = make_policy("cur", 0.5, num_sinks=0, use_random_leverage=True, use_local_approximation=False, seed=7)
     torch.manual_seed(7)
@@ -323,7 +301,7 @@ def test_non_causal_attention_pads_its_last_chunk_with_zero_queries_that_attend_
 def test_non_causal_attention_scores_by_its_definition():
     gen = torch.Generator().manual_seed(4)
     query, key, value = (torch.randn(h, 11, 4, generator=gen) for h in (4, 2, 2))
-    scores = scores_of(make_policy("non_causal_attention", 0.5, chunk_size=4), hand_prompt(key, value, query))[0]
+    scores = scores_of(make_policy("non_causal_attention", 0.5, chunk_size=4), prompt_of(key, value, query))[0]
     torch.testing.assert_close(scores.double(), non_causal_reference(query, key, value, 4), atol=1e-5, rtol=1e-5)
 
 
@@ -449,7 +427,7 @@ def test_finch_weights_each_window_query_by_its_token_index(normalize, voted):
     """Four tokens, a window of 2, queries of zeros: token 2 attends 1/3 to each of tokens 0-2 and token 3 1/4 to
     each of tokens 0-3; weighted by their indices 2 and 3, tokens 0 and 1 score (2/3 + 3/4) / 2, else (1/3 + 1/4)
     / 2; the window scores nothing of its own (it is kept)."""
-    prompt = hand_prompt(torch.randn(1, 4, 2, generator=torch.Generator().manual_seed(6)), query=torch.zeros(1, 4, 2))
+    prompt = prompt_of(torch.randn(1, 4, 2, generator=torch.Generator().manual_seed(6)), query=torch.zeros(1, 4, 2))
     scores = scores_of(make_policy("finch", 0.5, window=2, normalize_scores=normalize), prompt)
     torch.testing.assert_close(scores[0, 0], torch.tensor([voted, voted, 0.0, 0.0]))
 

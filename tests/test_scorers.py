@@ -23,12 +23,12 @@ def tiny():
     return load_model("tiny-llama", device="cpu")
 
 
-def hand_prompt(keys, values=None, queries=None, capacity=2, real=None) -> Prompt:
-    """A one-sequence, one-KV-head prompt of the given 2-d keys (no rotary embedding)."""
-    key = torch.tensor(keys, dtype=torch.float32).view(1, 1, -1, 2)
+def prompt_of(key, value=None, query=None, real=None, capacity=2) -> Prompt:
+    """A one-sequence prompt of keys [Hkv, n, D] (values and queries default to the keys; no rotary embedding)."""
+    key = torch.as_tensor(key, dtype=torch.float32).unsqueeze(0)
     n = key.shape[2]
-    value = key if values is None else torch.tensor(values, dtype=torch.float32).view(1, 1, n, -1)
-    query = key if queries is None else torch.tensor(queries, dtype=torch.float32).view(1, -1, n, 2)
+    value = key if value is None else torch.as_tensor(value, dtype=torch.float32).unsqueeze(0)
+    query = key if query is None else torch.as_tensor(query, dtype=torch.float32).unsqueeze(0)
     return Prompt(
         module=torch.nn.Module(),
         layer=0,
@@ -37,11 +37,17 @@ def hand_prompt(keys, values=None, queries=None, capacity=2, real=None) -> Promp
         value=value,
         position=torch.arange(n).view(1, n),
         real=torch.ones(1, n, dtype=torch.bool) if real is None else torch.tensor([real]),
-        capacity=torch.tensor([[capacity]]),
+        capacity=torch.full((1, key.shape[1]), capacity),
         hidden_states=None,
         rotary=None,
-        scaling=2**-0.5,
+        scaling=key.shape[-1] ** -0.5,
     )
+
+
+def hand_prompt(keys, values=None, queries=None, capacity=2, real=None) -> Prompt:
+    """A one-sequence, one-KV-head prompt of the given 2-d keys (no rotary embedding)."""
+    query = None if queries is None else torch.tensor(queries, dtype=torch.float32).view(-1, len(keys), 2)
+    return prompt_of([keys], None if values is None else [values], query, real, capacity)
 
 
 def test_keydiff_by_hand():
