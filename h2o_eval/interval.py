@@ -14,13 +14,14 @@ else every one at the newest token's position), each voting row over the held to
 from __future__ import annotations
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from h2o_eval.compression import compress
 from h2o_eval.decode import Slots
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import UNBOUNDED, Interval, Policy, Rule
 from h2o_eval.policies.base import Combine, Votes
-from h2o_eval.policies.inputs import _query_projection
+from h2o_eval.policies.inputs import query_projection
 
 
 class Steps:
@@ -109,15 +110,14 @@ def interval_scores(
                           "which this model has not: use a key-scored decoding policy such as knorm")  # fmt: skip
     batch, kv_heads, slots, dim = keys.shape
     heads = steps.module.config.num_attention_heads
-    query = _query_projection(steps.module, hidden[:, hidden.shape[1] - count :], heads, dim).to(keys.dtype)
+    query = query_projection(steps.module, hidden[:, hidden.shape[1] - count :], heads, dim).to(keys.dtype)
     # kvpress rotates the rows with the last forward's rotary embedding: each at its own position when that forward
     # fed them all, else every one at the newest token's position.
     offset = torch.arange(1 - count, 1, device=keys.device) if steps.chunk >= count else now.new_zeros(1)
     at = (now.view(-1, 1) + offset.view(1, -1)).expand(batch, -1)
     cos, sin = rotary(layer, at.reshape(-1))  # [B * rows, D]
     cos, sin = cos.view(batch, 1, -1, dim), sin.view(batch, 1, -1, dim)
-    half = torch.cat((-query[..., dim // 2 :], query[..., : dim // 2]), dim=-1)
-    query = (query * cos + half * sin).view(batch, kv_heads, heads // kv_heads, count, dim)
+    query = (query * cos + rotate_half(query) * sin).view(batch, kv_heads, heads // kv_heads, count, dim)
     logits = torch.matmul(query.float(), keys.float().unsqueeze(2).transpose(-1, -2)) * scaling
     row = now.view(-1, 1, 1) - count + 1 + torch.arange(count, device=keys.device).view(1, -1, 1)  # [B, count, 1]
     visible = held.unsqueeze(-2) & (position.unsqueeze(-2) <= row.unsqueeze(1))  # [B, Hkv, count, S]

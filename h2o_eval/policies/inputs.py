@@ -17,7 +17,7 @@ import torch
 from h2o_eval.errors import ConfigError
 
 
-def _query_projection(module: torch.nn.Module, hidden_states: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
+def query_projection(module: torch.nn.Module, hidden_states: torch.Tensor, heads: int, dim: int) -> torch.Tensor:
     """The attention module's query states before rotary embedding [B, Hq, n, D] (kvpress's
     ``get_prerope_query_states``: ``q_proj``, or Phi-3's fused ``qkv_proj``, then the query norm of Qwen3/Gemma 3)."""
     batch, length, _ = hidden_states.shape
@@ -89,7 +89,7 @@ class Prompt:
         if self.hidden_states is None:
             raise ConfigError("this policy needs the attention's input, which this model's forward does not pass")
         heads, dim = self.query.shape[1], self.query.shape[-1]
-        return _query_projection(self.module, self.hidden_states, heads, dim).to(self.query.dtype)
+        return query_projection(self.module, self.hidden_states, heads, dim).to(self.query.dtype)
 
     def output_projection(self) -> torch.Tensor:
         """W_O per query head [Hq, D, hidden]."""
