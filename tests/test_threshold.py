@@ -183,33 +183,52 @@ def test_records_without_a_threshold_keep_the_identity_they_had_before_the_setti
 
 def test_reports_place_a_threshold_run_at_the_share_it_kept(tmp_path):
     """A threshold run has no budget: its row names its threshold and sits at the share it kept; a leaderboard
-    cell of it sits at the mean of its tasks' shares (0.3 and 0.4 kept: compression ratio 0.65)."""
+    tables it apart, at the mean of its tasks' shares (thresholds -3 and -2: 0.3/0.4 and 0.6/0.8 kept, compression
+    ratios 0.65 and 0.3), and its figure draws one base's thresholds as one line through those ratios."""
     import json
 
     from test_plot import long_record
 
     from h2o_eval import plot, results
-    from h2o_eval.reports import tables
+    from h2o_eval.reports import headline, leaderboards, tables
 
     for task, kept in (("niah_single_2", 0.3), ("vt", 0.4)):
         long_record(tmp_path, task, "full", 1.0, [[1]] * 4)
         long_record(tmp_path, task, "knorm", 0.5, [[1]] * 3 + [[0]])
-        long_record(tmp_path, task, "knorm", 0.2, [[1]] * 2 + [[0]] * 2, settings={"threshold": -3.0})
-        path = tmp_path / f"{task}_knorm_0.2_context_4096.json"
-        results.write_record(path, {**json.loads(path.read_text()), "capacity": {"kept_fraction_mean": kept}})
+        for threshold, share, budget in ((-3.0, kept, 0.2), (-2.0, 2 * kept, 0.1)):
+            long_record(tmp_path, task, "knorm", budget, [[1]] * 2 + [[0]] * 2, settings={"threshold": threshold})
+            path = tmp_path / f"{task}_knorm_{budget}_context_4096.json"
+            results.write_record(path, {**json.loads(path.read_text()), "capacity": {"kept_fraction_mean": share}})
     rows = tables.table(results.load_records(tmp_path))
     assert sorted((r["task"], r["policy"], tables.position(r)) for r in rows if r["kept"] is not None) == [
+        ("niah_single_2@4096", "knorm (threshold=-2.0)", 0.6),
         ("niah_single_2@4096", "knorm (threshold=-3.0)", 0.3),
+        ("vt@4096", "knorm (threshold=-2.0)", 0.8),
         ("vt@4096", "knorm (threshold=-3.0)", 0.4),
     ]
+    assert {r["threshold"] for r in rows} == {None, "knorm (threshold)"}
     plot.main([str(tmp_path), "--leaderboard", "--out", str(tmp_path / "plots")])
     table = (tmp_path / "plots" / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
-    assert table[2] == "| policy | 0.5 | 0.65 |"
-    cells = {}
-    for line in table[4:]:
-        name, *values = (cell.strip() for cell in line.strip().strip("|").split("|"))
-        cells[name] = [value.split(" [")[0] for value in values]
-    assert cells["knorm (threshold=-3.0)"] == ["", "50.0"] and cells["knorm"] == ["75.0", ""]
+
+    def cells(lines):
+        return [[cell.strip().split(" [")[0] for cell in line.strip().strip("|").split("|")] for line in lines]
+
+    assert cells(table[2:6]) == [["policy", "0.5"], ["---", "---:"], ["full (ceiling)", "100.0"], ["knorm", "75.0"]]
+    assert cells(table[-4:]) == [
+        ["policy", "compression ratio realised", "score"],
+        ["---", "---:", "---:"],
+        ["knorm (threshold=-2.0)", "0.300", "50.0"],
+        ["knorm (threshold=-3.0)", "0.650", "50.0"],
+    ]
+    ((key, group),) = leaderboards.leaderboards(headline.long_context(rows, tmp_path)).items()
+    axes = leaderboards.leaderboard_figure(key, group).axes[0]
+    curves = {container.get_label(): container.lines[0] for container in axes.containers}
+    assert sorted(curves) == ["knorm", "knorm (threshold)"]
+    assert (
+        list(curves["knorm (threshold)"].get_xdata()) == [0.3, 0.65]
+        and curves["knorm (threshold)"].get_linestyle() == "-."
+    )
+    assert [tick.get_text() for tick in axes.get_xticklabels()] == ["0.5"]
 
 
 @torch.no_grad()

@@ -71,6 +71,7 @@ def long_context(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str
             {
                 **dict(zip(HEADLINE_KEYS, key, strict=True)),
                 "method": row["method"],
+                "threshold": row.get("threshold"),
                 "shared": row["shared"],
                 "tasks": {},
                 "scores": {},

@@ -104,9 +104,12 @@ def _left_out_label(group: list[dict[str, Any]]) -> str:
 def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
     """One leaderboard as a Markdown table: a row per policy (the full cache's ceiling first, the oracle next), a
     column per compression ratio, each cell the mean over the leaderboard's tasks x100 with its 95 % interval;
-    the tasks some cells lack are named, with how many cells have them."""
+    the tasks some cells lack are named, with how many cells have them. Threshold runs follow in a table of their
+    own, a row per threshold at the ratio it realised (the mean over the tasks)."""
+    thresholds = [s for s in group if s.get("threshold")]
+    board = [s for s in group if not s.get("threshold")]
     tasks = sorted({task for s in group for task in s["tasks"]}, key=task_order)
-    ratios = sorted({_ratio(position(s)) for s in group if s["method"] != "full"})
+    ratios = sorted({_ratio(position(s)) for s in board if s["method"] != "full"})
     lines = [
         f"Leaderboard: {_leaderboard_title(key, group)}. Each cell: the unweighted mean over tasks of the score "
         f"x100 with its 95 % interval resampling documents within each task ({stats.RESAMPLES:,} resamples, seed "
@@ -119,19 +122,34 @@ def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
             if any(s["method"] == "oracle" for s in group)
             else ""
         ),
-        "",
-        "| policy | " + " | ".join(f"{ratio:g}" for ratio in ratios) + " |",
-        "|---|" + "---:|" * len(ratios),
     ]
-    for policy in _leaderboard_order(group):
+    if ratios:
+        lines += [
+            "",
+            "| policy | " + " | ".join(f"{ratio:g}" for ratio in ratios) + " |",
+            "|---|" + "---:|" * len(ratios),
+        ]
+    for policy in _leaderboard_order(board) if ratios else []:
         cells = []
         for ratio in ratios:
             found = [
-                s for s in group if s["policy"] == policy and (s["method"] == "full" or _ratio(position(s)) == ratio)
+                s for s in board if s["policy"] == policy and (s["method"] == "full" or _ratio(position(s)) == ratio)
             ]
             cells.append(estimate_label(found[0]["mean"]) if found else "")
         name = {"full": "full (ceiling)", "oracle": ORACLE_LABEL}.get(policy, policy)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if thresholds:
+        lines += [
+            "",
+            "Score thresholds (dms): a run evicts every token older than its window that scores below its threshold, "
+            "whatever the budget; a row per threshold, at the compression ratio it realised (the mean over the "
+            "tasks of the share of the context removed).",
+            "",
+            "| policy | compression ratio realised | score |",
+            "|---|---:|---:|",
+        ]
+        for s in sorted(thresholds, key=lambda s: (s["threshold"], -position(s))):
+            lines.append(f"| {s['policy']} | {_ratio(position(s)):.3f} | {estimate_label(s['mean'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,19 +193,22 @@ def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
     """Score against compression ratio as kvpress's public plot draws it: a line per policy with its interval,
-    the full cache a dashed reference and the oracle a dotted one; lines drawn slightly apart at each ratio."""
+    the full cache a dashed reference and the oracle a dotted one; lines drawn slightly apart at each ratio. The
+    threshold runs of one base are one dash-dotted line of squares through the ratios they realised."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    method = {s["policy"]: s["method"] for s in group}
-    policies = [p for p in _leaderboard_order(group) if method[p] != "full"]
+    line = {s["policy"]: s.get("threshold") or s["policy"] for s in group}
+    method = {line[s["policy"]]: s["method"] for s in group}
+    policies = list(dict.fromkeys(line[p] for p in _leaderboard_order(group) if method[line[p]] != "full"))
     for s in group[:1] if group[0]["method"] == "full" else []:
         ax.axhline(s["mean"].value, color="black", linestyle="--", linewidth=1.2, label="full cache")
     for number, policy in enumerate(policies):
-        points = sorted((s for s in group if s["policy"] == policy), key=lambda s: -position(s))
+        points = sorted((s for s in group if line[s["policy"]] == policy), key=lambda s: -position(s))
         values = [s["mean"].value for s in points]
         oracle = method[policy] == "oracle"
+        threshold = bool(points[0].get("threshold"))
         ax.errorbar(
             [_ratio(position(s)) for s in points],
             values,
@@ -195,18 +216,20 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
                 [v - s["mean"].low for v, s in zip(values, points, strict=True)],
                 [s["mean"].high - v for v, s in zip(values, points, strict=True)],
             ],
-            marker="o",
+            marker="s" if threshold else "o",
             markersize=4,
             capsize=3,
             color="black" if oracle else colors[(number - ("oracle" in method.values())) % len(colors)],
-            linestyle=":" if oracle else "-",
+            linestyle=":" if oracle else "-." if threshold else "-",
             label=ORACLE_LABEL if oracle else policy,
             transform=offset(ax, number, len(policies)),
         )
     tasks = sorted({task for s in group for task in s["tasks"]}, key=task_order)
-    ratios = sorted({_ratio(position(s)) for s in group if s["method"] != "full"})
-    ax.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios])
-    ax.set_xlim(min(ratios) - 0.1, max(ratios) + 0.1)
+    ratios = sorted({_ratio(position(s)) for s in group if s["method"] != "full" and not s.get("threshold")})
+    reached = [_ratio(position(s)) for s in group if s["method"] != "full"]
+    if ratios:
+        ax.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios])
+    ax.set_xlim(min(reached) - 0.1, max(reached) + 0.1)
     ax.set(
         xlabel=f"compression ratio (share of {BUDGET_SHARE[key[1]]} removed, 1 − budget)",
         ylabel=f"score (mean of {tasks_label(tasks)}, x100)",

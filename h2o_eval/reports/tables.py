@@ -36,7 +36,9 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
     length (``niah_single@4096``): its documents, and so its comparisons, differ with it.
 
     A threshold run (``dms``) is kept whatever its budget, and its row's ``kept`` is the share it realised
-    (:func:`kept_share`; None for the other rows): figures and leaderboards place it there (:func:`position`).
+    (:func:`kept_share`; None for the other rows): figures and leaderboards place it there (:func:`position`). Its
+    ``threshold`` is the label of its curve, the runs of one base at other thresholds (``knorm (threshold)``; None
+    for the other rows).
 
     A row's ``policy`` is its label: the policy's name (``method``) and each departure from the defaults that not
     every row shares (``snapkv (window=8)``, ``h2o (decoding=grow)``, ``full (4 questions per context)``:
@@ -66,6 +68,7 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             ),
             "questions": questions(record["config"]),
             "method": record["policy"],
+            "threshold": _threshold_curve(record, departures),
             "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
             "shared": tuple(shared),
             "budget": record["budget"],
@@ -116,6 +119,14 @@ def _threshold(record: dict[str, Any], departures: dict[str, str]) -> dict[str, 
     if params["name"] != "dms" or "policy.threshold" in departures:
         return departures
     return {"policy.threshold": f"threshold={params['threshold']}", **departures}
+
+
+def _threshold_curve(record: dict[str, Any], departures: dict[str, str]) -> str | None:
+    """A threshold run's curve: its label without its threshold, which varies along the curve."""
+    if record.get("policy_params", {}).get("name") != "dms":
+        return None
+    others = (text for key, text in departures.items() if key not in ("policy.threshold", "threshold"))
+    return record["policy"] + _departures_label([*others, "threshold"])
 
 
 def _departures_label(texts: Collection[str]) -> str:
