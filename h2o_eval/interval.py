@@ -8,7 +8,10 @@ on the host, the forwards fed since its last compression (:class:`Steps`); befor
 (:func:`interval_scores`): its key scores, plus the attention votes of the queries fed since the last compression,
 rebuilt from the attention's input as kvpress's DecodingPress rebuilds them from its buffered hidden states (query
 projection, then the last forward's rotary embedding: each row at its own position if that forward fed them all,
-else every one at the newest token's position), each voting row over the held tokens up to its own position.
+else every one at the newest token's position), each voting row over the held tokens up to its own position; or,
+for a policy that scores a prompt by its keys and values alone (``scores_held``: keydiff, cur), its compression
+scores of what each KV head holds, in position order, as kvpress hands its ScorerPress the cache it holds
+(:func:`held_scores`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from h2o_eval.decode import Slots
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import UNBOUNDED, Interval, Policy, Rule
 from h2o_eval.policies.base import Combine, Votes
-from h2o_eval.policies.inputs import query_projection
+from h2o_eval.policies.inputs import Prompt, query_projection
 
 
 class Steps:
@@ -83,6 +86,38 @@ def voters(rule: Rule, fed: int) -> int:
     return fed if rule.votes == Votes.ALL else rule.window
 
 
+def held_scores(policy: Policy, layer: int, slots: Slots, capacity: int) -> torch.Tensor:
+    """[B, Hkv, S] the compression scores ``policy`` (``scores_held``) gives what each KV head of a layer holds
+    (``slots``), its tokens laid out in position order as kvpress's cache holds them; the KV heads of a sequence that
+    hold as many tokens are scored together. The slots held by none score 0 (they are not kept)."""
+    keys, values, held, position = slots.keys, slots.values, slots.held, slots.position
+    batch, kv_heads, _, dim = keys.shape
+    order = torch.where(held, position, torch.iinfo(position.dtype).max).argsort(dim=-1, stable=True)
+    counts = held.sum(-1).tolist()  # a compression reads the device (as a chunk does)
+    found = torch.zeros(held.shape, dtype=torch.float32, device=keys.device)
+    for row in range(batch):
+        for count in sorted(set(counts[row]) - {0}):
+            heads = torch.tensor([h for h in range(kv_heads) if counts[row][h] == count], device=keys.device)
+            slot = order[row, heads, :count]  # [h, count]
+            gather = slot.unsqueeze(-1).expand(-1, -1, dim)
+            ordered = Prompt(
+                module=None,
+                layer=layer,
+                query=keys.new_zeros(1, 0, 0, dim),
+                key=keys[row, heads].gather(1, gather).unsqueeze(0),
+                value=values[row, heads].gather(1, gather).unsqueeze(0),
+                position=position[row, heads[0]].gather(0, slot[0]).unsqueeze(0),
+                real=torch.ones(1, count, dtype=torch.bool, device=keys.device),
+                capacity=torch.full((1, len(heads)), capacity, dtype=torch.int64, device=keys.device),
+                hidden_states=None,
+                rotary=None,
+                scaling=1.0,
+            )
+            scores = policy.compression_scores(ordered, torch.zeros(1, len(heads), count), held.new_zeros(1, 1, 1))
+            found[row, heads] = found[row, heads].scatter(1, slot, scores[0].float())
+    return found
+
+
 def interval_scores(
     policy: Policy,
     layer: int,
@@ -97,7 +132,7 @@ def interval_scores(
     """[B, Hkv, S] the decoding policy's scores of the slots (keys [B, Hkv, S, D], ``held``, ``position``) of a layer
     whose newest token is at ``now`` [B]: its key scores, and the attention its voting rows give the held tokens
     (summed over the rows and the KV head's query heads; their queries rotated as the module says, each row seeing
-    the held tokens up to its own position)."""
+    the held tokens up to its own position). A ``scores_held`` policy is scored by :func:`held_scores` instead."""
     rule = policy.rule
     found = policy.key_scores(keys, position, layer)
     scores = torch.zeros(held.shape, dtype=torch.float32, device=keys.device) if found is None else found.float()
@@ -152,9 +187,12 @@ def compress_layer(layer) -> None:
     capacity = torch.full(held.shape[:2], plan.capacity, dtype=torch.int64, device=device)
     recent = torch.full(now.shape, plan.recent, dtype=torch.int64, device=device)
     sinks = torch.full(now.shape, plan.sinks, dtype=torch.int64, device=device)
-    scores = interval_scores(
-        interval.policy, layer.layer_idx, slots.keys, held, position, now, steps, context.rotary, steps.scaling
-    )
+    if interval.policy.scores_held:
+        scores = held_scores(interval.policy, layer.layer_idx, slots, plan.capacity)
+    else:
+        scores = interval_scores(
+            interval.policy, layer.layer_idx, slots.keys, held, position, now, steps, context.rotary, steps.scaling
+        )
     kept, scores, _ = compress(held, scores, position, capacity, recent, sinks, now, interval.policy.rule)
     layer.peak = max(layer.peak, layer.most)
     layer._keep(Slots(slots.keys, slots.values, kept, position, scores), held)

@@ -26,11 +26,34 @@ def prompt_ids() -> torch.Tensor:
     return torch.randperm(400, generator=torch.Generator().manual_seed(5))[:PROMPT].view(1, -1) + 5
 
 
-def knorm_scores(model, layer, keys, rows, now):
+def knorm_scores(model, layer, keys, values, rows, now):
     return -keys.norm(dim=-1)
 
 
-def snapkv_scores(model, layer, keys, rows, now, window=2, kernel=3):
+def keydiff_scores(model, layer, keys, values, rows, now):
+    """KeyDiff as kvpress's DecodingPress scores the cache: minus each key's cosine to its head's mean unit key."""
+    anchor = torch.nn.functional.normalize(keys, dim=-1).mean(dim=2, keepdim=True)
+    return -torch.nn.functional.cosine_similarity(keys, anchor, dim=-1)
+
+
+def cur_scores(model, layer, keys, values, rows, now, window=4, sinks=2):
+    """CurDKV's kv_product leverage as kvpress's CURPress computes it on the cache it is handed: squared norms as
+    shares of their windows of ``window`` held tokens from the oldest, their product as a share of its sum, the
+    ``sinks`` oldest held tokens 1."""
+
+    def shares(norms):
+        length = norms.shape[-1]
+        padded = torch.nn.functional.pad(norms, (0, (window - length % window) % window))
+        padded = padded.view(*norms.shape[:-1], -1, window)
+        return (padded / padded.sum(-1, keepdim=True)).flatten(-2)[..., :length]
+
+    scores = shares((keys**2).sum(-1)) * shares((values**2).sum(-1))
+    scores = scores / scores.sum(-1, keepdim=True)
+    scores[..., :sinks] = 1.0
+    return scores
+
+
+def snapkv_scores(model, layer, keys, values, rows, now, window=2, kernel=3):
     """SnapKV's votes as kvpress's DecodingPress computes them: the last ``window`` attention inputs' queries, all at
     the newest position, over the keys up to their own, the window's columns then kept whatever their score."""
     attention = model.model.layers[layer].self_attn
@@ -69,7 +92,7 @@ def reference(model, ids, score):
             logits.append(model(token, cache=cache, position_ids=torch.tensor([[now]])).logits[0, -1])
             if (step + 1) % EVERY == 0:
                 for index, layer in enumerate(cache.layers):
-                    scores = score(model, index, layer.keys, rows[index], now)
+                    scores = score(model, index, layer.keys, layer.values, rows[index], now)
                     order = scores.flip(-1).argsort(dim=-1, descending=True, stable=True)[..., :TARGET]
                     kept = (scores.shape[-1] - 1 - order).sort(-1).values.unsqueeze(-1).expand(-1, -1, -1, 16)
                     layer.keys, layer.values = layer.keys.gather(2, kept), layer.values.gather(2, kept)
@@ -98,7 +121,12 @@ def interval_run(model, ids, decoding_policy, graphs=False):
 
 @pytest.mark.parametrize(
     ("name", "params", "score"),
-    [("knorm", {}, knorm_scores), ("snapkv", {"window": 2, "kernel_size": 3, "pooling": "avg"}, snapkv_scores)],
+    [
+        ("knorm", {}, knorm_scores),
+        ("snapkv", {"window": 2, "kernel_size": 3, "pooling": "avg"}, snapkv_scores),
+        ("keydiff", {}, keydiff_scores),
+        ("cur", {"num_sinks": 2, "local_window_size": 4}, cur_scores),
+    ],
 )
 @torch.no_grad()
 def test_interval_compression_equals_a_plain_reimplementation(tiny, name, params, score):
@@ -115,13 +143,38 @@ def test_interval_compression_equals_a_plain_reimplementation(tiny, name, params
     assert cache.peak_entries == PROMPT + EVERY
 
 
+def test_held_scores_order_each_heads_tokens_by_position_whatever_it_holds():
+    """The held keys and values a ``scores_held`` policy scores are each KV head's, in position order, whatever slots
+    they sit in and however many each head holds; free slots score 0."""
+    from h2o_eval.decode import Slots
+    from h2o_eval.interval import held_scores
+
+    generator = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 3, 9, 4, generator=generator), torch.randn(2, 3, 9, 4, generator=generator)
+    position = torch.stack([torch.randperm(9, generator=generator) for _ in range(6)]).view(2, 3, 9)
+    held = torch.rand(2, 3, 9, generator=generator) < 0.7
+    held[0, 0], held[1, 2] = True, False
+    held[1, 2, :5] = True
+    policy = make_policy("cur", 1.0, num_sinks=2, local_window_size=4)
+    found = held_scores(policy, 0, Slots(keys, values, held, position, torch.zeros(2, 3, 9)), capacity=4)
+    for row in range(2):
+        for head in range(3):
+            slot = torch.where(held[row, head], position[row, head], 99).argsort()[: int(held[row, head].sum())]
+            ordered = (keys[row, head, slot].view(1, 1, -1, 4), values[row, head, slot].view(1, 1, -1, 4))
+            expected = cur_scores(None, 0, *ordered, [], 0, window=4, sinks=2)[0, 0]
+            torch.testing.assert_close(found[row, head, slot], expected)
+            assert not found[row, head][~held[row, head]].any()
+    assert len({int(count) for count in held.sum(-1).flatten()}) > 2  # heads holding different numbers
+
+
+@pytest.mark.parametrize("name", ["knorm", "cur"])
 @torch.no_grad()
-def test_replayed_interval_steps_equal_eager_ones(tiny):
-    """A key-scored decoding policy's steps are captured: each compression lays the buffers out anew, so the next
-    step warms up and is captured again; the replays give the eager tokens."""
+def test_replayed_interval_steps_equal_eager_ones(tiny, name):
+    """A decoding policy that scores keys (or what is held) without votes has its steps captured: each compression
+    lays the buffers out anew, so the next step warms up and is captured again; the replays give the eager tokens."""
     model, _ = tiny
-    tokens, logits, _ = interval_run(model, prompt_ids(), make_policy("knorm", 1.0))
-    replayed, replayed_logits, cache = interval_run(model, prompt_ids(), make_policy("knorm", 1.0), graphs=True)
+    tokens, logits, _ = interval_run(model, prompt_ids(), make_policy(name, 1.0))
+    replayed, replayed_logits, cache = interval_run(model, prompt_ids(), make_policy(name, 1.0), graphs=True)
     assert torch.equal(replayed, tokens)
     torch.testing.assert_close(replayed_logits, logits, rtol=0, atol=1e-5)
     assert cache.graphs.replays >= 8

@@ -214,6 +214,9 @@ class Policy:
     # Parameters (besides the budget) under which the generic test suites run the policy on tiny models and short
     # sequences; every registered policy takes part in every suite its protocols allow.
     example: ClassVar[dict[str, Any]] = {}
+    # Whether :meth:`compression_scores` reads only the prompt's keys, values and real tokens, so that it can score
+    # what a cache holds later, as an interval compression does (``decoding=interval``; kvpress's DecodingPress).
+    scores_held: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -406,8 +409,9 @@ class Interval:
     ``compression_interval`` forwards after the prompt (a chunk such as the question counts one, as each generated
     token), and after a chunk of at least the target's tokens, each (sequence, layer, KV head) is compressed to the
     target by ``policy``'s scores over everything it holds, before the next forward. The steps between are captured
-    as CUDA graphs when ``policy`` scores by key scores alone (each compression lays the buffers out anew, and the
-    step after it is captured again); a policy that votes keeps each step's attention input, so its steps run eagerly.
+    as CUDA graphs when ``policy`` does not vote (its key scores, or its scores of what is held; each compression
+    lays the buffers out anew, and the step after it is captured again); a policy that votes keeps each step's
+    attention input, so its steps run eagerly.
 
     Args:
         compression_interval: forwards between two compressions (kvpress's ``compression_interval``).
@@ -465,11 +469,11 @@ def refuse_interval_policy(policy: Policy) -> None:
             f"decoding=interval: policy {policy.name!r} wraps a base policy, whose layout an interval compression "
             "does not share out: use its base (e.g. snapkv, knorm) as the decoding policy"
         )
-    if policy.rescores or policy.rehearses or not policy.has_cache:
+    if policy.rescores and not policy.scores_held or policy.rehearses or not policy.has_cache:
         raise ConfigError(
             f"decoding=interval: policy {policy.name!r} scores a prompt by its own pass over it, which an interval "
-            "compression has not: use a policy scored by key scores or attention votes (knorm, snapkv, h2o, tova, "
-            "keydiff, random, streaming)"
+            "compression has not: use a policy scored by key scores, attention votes or the held keys and values "
+            "(knorm, snapkv, h2o, tova, keydiff, cur, random, streaming)"
         )
 
 

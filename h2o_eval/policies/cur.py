@@ -54,6 +54,7 @@ class CUR(PromptScorer):
     local_window_size: int = 16
     seed: int = 42
     name: ClassVar[str] = "cur"
+    scores_held: ClassVar[bool] = True
     example: ClassVar[dict[str, Any]] = {"num_sinks": 2, "local_window_size": 4}
 
     def __post_init__(self) -> None:

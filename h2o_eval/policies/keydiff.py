@@ -20,6 +20,7 @@ class KeyDiff(PromptScorer):
     """
 
     name: ClassVar[str] = "keydiff"
+    scores_held: ClassVar[bool] = True
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         keys = prompt.key.float()
