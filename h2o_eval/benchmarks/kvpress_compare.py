@@ -177,6 +177,10 @@ PRESSES: dict[str, Press] = {
         "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
         lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="size", ties=True,
     ),
+    "decoding_keydiff": Press(
+        "keydiff", {}, lambda kv, r: kv.KeyDiffPress(compression_ratio=r), decoding="size", ties=True
+    ),
+    "decoding_cur": Press("cur", {}, lambda kv, r: kv.CURPress(compression_ratio=r), decoding="size", ties=True),
     "ratio_decoding_knorm": Press(
         "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="ratio", ties=True
     ),
