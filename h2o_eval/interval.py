@@ -9,7 +9,7 @@ on the host, the forwards fed since its last compression (:class:`Steps`); befor
 rebuilt from the attention's input as kvpress's DecodingPress rebuilds them from its buffered hidden states (query
 projection, then the last forward's rotary embedding: each row at its own position if that forward fed them all,
 else every one at the newest token's position), each voting row over the held tokens up to its own position; or,
-for a policy that scores a prompt by its keys and values alone (``scores_held``: keydiff, cur), its compression
+for a policy that scores a prompt by its keys and values alone (``scores_held``: keydiff, cur, lagkv), its compression
 scores of what each KV head holds, in position order, as kvpress hands its ScorerPress the cache it holds
 (:func:`held_scores`).
 """

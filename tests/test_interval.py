@@ -5,6 +5,8 @@ votes from the attention inputs a hook kept) and cut to the target, ties to the 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -51,6 +53,23 @@ def cur_scores(model, layer, keys, values, rows, now, window=4, sinks=2):
     scores = scores / scores.sum(-1, keepdim=True)
     scores[..., :sinks] = 1.0
     return scores
+
+
+def lagkv_scores(model, layer, keys, values, rows, now, sinks=2, lag=4):
+    """LagKV as kvpress's LagKVPress scores the cache it is handed: after the ``sinks`` oldest, partitions of ``lag``
+    held tokens, each token min-max normalised by the next partition's range, the std over channels softmaxed
+    over its partition, key and value averaged and ranked; the sinks, the last partition and the remainder 1."""
+    batch, heads, length, dim = keys.shape
+    end = sinks + (length - sinks) // lag * lag
+
+    def lagged(states):
+        parts = states[:, :, sinks:end].reshape(batch, heads, -1, lag, dim)
+        low, high = parts[:, :, 1:].amin(-2, keepdim=True), parts[:, :, 1:].amax(-2, keepdim=True)
+        return ((parts[:, :, :-1] - low) / (high - low)).std(-1).softmax(-1)
+
+    ranks = ((lagged(keys) + lagged(values)) / 2).argsort(-1).argsort(-1) / lag
+    ones = torch.ones(batch, heads, sinks), torch.ones(batch, heads, length - end + lag)
+    return torch.cat([ones[0], ranks.flatten(2).float(), ones[1]], dim=-1)
 
 
 def snapkv_scores(model, layer, keys, values, rows, now, window=2, kernel=3):
@@ -126,6 +145,7 @@ def interval_run(model, ids, decoding_policy, graphs=False):
         ("snapkv", {"window": 2, "kernel_size": 3, "pooling": "avg"}, snapkv_scores),
         ("keydiff", {}, keydiff_scores),
         ("cur", {"num_sinks": 2, "local_window_size": 4}, cur_scores),
+        ("lagkv", {"n_sink": 2, "lag_size": 3}, functools.partial(lagkv_scores, lag=3)),
     ],
 )
 @torch.no_grad()

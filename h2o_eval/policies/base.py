@@ -441,8 +441,12 @@ class Interval:
 
     def layout(self, policy: Policy, seen: int, layer: int, num_layers: int) -> Plan:
         """The layout a compression keeps once ``seen`` tokens were fed: C = the target, and the recent window and
-        sinks ``policy`` (the decoding policy) plans at that C."""
+        sinks ``policy`` (the decoding policy) plans at that C; none for a policy that scores what is held
+        (``scores_held``), whose scores keep its sinks and newest tokens, as kvpress's ScorerPress keeps its top
+        scores."""
         target = self.target(seen)
+        if policy.scores_held:
+            return Plan(capacity=target, recent=0, sinks=0)
         plan = dataclasses.replace(policy, budget=target).plan(target, layer, num_layers)
         return Plan(capacity=target, recent=min(plan.recent, target), sinks=min(plan.sinks, target))
 
@@ -473,7 +477,7 @@ def refuse_interval_policy(policy: Policy) -> None:
         raise ConfigError(
             f"decoding=interval: policy {policy.name!r} scores a prompt by its own pass over it, which an interval "
             "compression has not: use a policy scored by key scores, attention votes or the held keys and values "
-            "(knorm, snapkv, h2o, tova, keydiff, cur, random, streaming)"
+            "(knorm, snapkv, h2o, tova, keydiff, cur, lagkv, random, streaming)"
         )
 
 

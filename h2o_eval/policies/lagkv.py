@@ -50,6 +50,7 @@ class LagKV(PromptScorer):
     lag_size: int = 128
     cross_scoring: bool = False
     name: ClassVar[str] = "lagkv"
+    scores_held: ClassVar[bool] = True
     example: ClassVar[dict[str, Any]] = {"n_sink": 2, "lag_size": 4}
 
     def __post_init__(self) -> None:
