@@ -181,6 +181,7 @@ PRESSES: dict[str, Press] = {
         "keydiff", {}, lambda kv, r: kv.KeyDiffPress(compression_ratio=r), decoding="size", ties=True
     ),
     "decoding_cur": Press("cur", {}, lambda kv, r: kv.CURPress(compression_ratio=r), decoding="size", ties=True),
+    "decoding_lagkv": Press("lagkv", {}, lambda kv, r: kv.LagKVPress(compression_ratio=r), decoding="size", ties=True),
     "ratio_decoding_knorm": Press(
         "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="ratio", ties=True
     ),
