@@ -324,7 +324,7 @@ class EvictionCache(Cache):
             and self.shared.rehearsing is None
             and self.lengths is not None
             and len(self.lengths) == batch
-            and all(layer.capturable() and not layer.steps.keep for layer in self.layers)
+            and all(layer.capturable() and not layer.steps.keeps for layer in self.layers)
         )
 
     def prepare_decode(self) -> None:

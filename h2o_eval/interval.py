@@ -9,9 +9,9 @@ on the host, the forwards fed since its last compression (:class:`Steps`); befor
 rebuilt from the attention's input as kvpress's DecodingPress rebuilds them from its buffered hidden states (query
 projection, then the last forward's rotary embedding: each row at its own position if that forward fed them all,
 else every one at the newest token's position), each voting row over the held tokens up to its own position; or,
-for a policy that scores a prompt by its keys and values alone (``scores_held``: keydiff, cur, lagkv), its compression
-scores of what each KV head holds, in position order, as kvpress hands its ScorerPress the cache it holds
-(:func:`held_scores`).
+for a policy that scores what is held (``scores_held``: keydiff, cur, lagkv, expected_attention), its scores of
+what each KV head holds, in position order, as kvpress hands its ScorerPress the cache it holds (with the attention
+inputs kept since the last compression, as kvpress's buffer of hidden states: :func:`held_scores`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ from h2o_eval.policies.inputs import Prompt, query_projection
 class Steps:
     """One layer's host counts between two compressions under ``decoding=interval`` (none under another decoding,
     ``interval`` None): the forwards fed (``steps``) and the last one's tokens per sequence (``chunk``); for a decoding
-    policy whose votes read the newest ``keep`` rows (0: none), their attention input (``rows``, [B, m, hidden]
-    each), attention module and logit scale."""
+    policy whose votes read the newest ``keep`` rows (0: none), or whose scores of what is held read the attention
+    inputs of the last ``forwards`` forwards (kvpress's buffer of hidden states), that attention input (``rows``,
+    [B, m, hidden] each), attention module and logit scale."""
 
     def __init__(self, interval: Interval | None) -> None:
         self.interval = interval
         self.keep = 0 if interval is None else voters(interval.policy.rule, UNBOUNDED)
+        self.forwards = 0 if interval is None else interval.policy.held_forwards
         self.steps = 0
         self.chunk = 0
         self.rows: list[torch.Tensor] = []
@@ -51,15 +53,22 @@ class Steps:
     def saw(self, layer, module: torch.nn.Module, hidden_states: torch.Tensor | None, scaling: float) -> None:
         """Before ``layer`` attends a forward after its prompt: keep its attention input [B, n, hidden] (and its
         module and logit scale) where the decoding policy's votes read it."""
-        if not self.keep or not layer.seen or layer.window is not None:
+        if not self.keeps or not layer.seen or layer.window is not None:
             return
         if hidden_states is None:
             raise ConfigError("decoding=interval: this decoding policy votes, and the model does not pass the "
                               "attention's input: use a key-scored decoding policy such as knorm")  # fmt: skip
         self.module, self.scaling = module, scaling
         self.rows.append(hidden_states.detach())
-        while sum(rows.shape[1] for rows in self.rows[1:]) >= self.keep:
+        if self.forwards:
+            del self.rows[: -self.forwards]
+        while self.keep and sum(rows.shape[1] for rows in self.rows[1:]) >= self.keep:
             self.rows.pop(0)
+
+    @property
+    def keeps(self) -> bool:
+        """Whether the steps keep their attention input (and so run eagerly, not as CUDA graphs)."""
+        return bool(self.keep or self.forwards)
 
     def due(self, seen: int) -> bool:
         """Whether the layer is compressed before its next forward, ``seen`` tokens having been fed."""
@@ -86,12 +95,15 @@ def voters(rule: Rule, fed: int) -> int:
     return fed if rule.votes == Votes.ALL else rule.window
 
 
-def held_scores(policy: Policy, layer: int, slots: Slots, capacity: int) -> torch.Tensor:
-    """[B, Hkv, S] the compression scores ``policy`` (``scores_held``) gives what each KV head of a layer holds
-    (``slots``), its tokens laid out in position order as kvpress's cache holds them; the KV heads of a sequence that
-    hold as many tokens are scored together. The slots held by none score 0 (they are not kept)."""
+def held_scores(policy: Policy, layer: int, slots: Slots, capacity: int, steps: Steps, rotary) -> torch.Tensor:
+    """[B, Hkv, S] the scores ``policy`` (``scores_held``: :meth:`~h2o_eval.policies.Policy.held_scores`) gives what
+    each KV head of a layer holds (``slots``), its tokens laid out in position order as kvpress's cache holds them,
+    with the attention inputs ``steps`` kept; the KV heads of a sequence that hold as many tokens are scored
+    together. The slots held by none score 0 (they are not kept)."""
     keys, values, held, position = slots.keys, slots.values, slots.held, slots.position
     batch, kv_heads, _, dim = keys.shape
+    hidden = torch.cat(steps.rows, dim=1) if steps.rows else None
+    heads_all = kv_heads if steps.module is None else steps.module.config.num_attention_heads
     order = torch.where(held, position, torch.iinfo(position.dtype).max).argsort(dim=-1, stable=True)
     counts = held.sum(-1).tolist()  # a compression reads the device (as a chunk does)
     found = torch.zeros(held.shape, dtype=torch.float32, device=keys.device)
@@ -101,19 +113,19 @@ def held_scores(policy: Policy, layer: int, slots: Slots, capacity: int) -> torc
             slot = order[row, heads, :count]  # [h, count]
             gather = slot.unsqueeze(-1).expand(-1, -1, dim)
             ordered = Prompt(
-                module=None,
+                module=steps.module,
                 layer=layer,
-                query=keys.new_zeros(1, 0, 0, dim),
+                query=keys.new_zeros(1, heads_all, 0, dim),
                 key=keys[row, heads].gather(1, gather).unsqueeze(0),
                 value=values[row, heads].gather(1, gather).unsqueeze(0),
                 position=position[row, heads[0]].gather(0, slot[0]).unsqueeze(0),
                 real=torch.ones(1, count, dtype=torch.bool, device=keys.device),
                 capacity=torch.full((1, len(heads)), capacity, dtype=torch.int64, device=keys.device),
-                hidden_states=None,
-                rotary=None,
-                scaling=1.0,
+                hidden_states=None if hidden is None else hidden[row : row + 1],
+                rotary=None if rotary is None else (lambda at: rotary(layer, at)),
+                scaling=steps.scaling,
             )
-            scores = policy.compression_scores(ordered, torch.zeros(1, len(heads), count), held.new_zeros(1, 1, 1))
+            scores = policy.held_scores(ordered, heads)
             found[row, heads] = found[row, heads].scatter(1, slot, scores[0].float())
     return found
 
@@ -188,7 +200,7 @@ def compress_layer(layer) -> None:
     recent = torch.full(now.shape, plan.recent, dtype=torch.int64, device=device)
     sinks = torch.full(now.shape, plan.sinks, dtype=torch.int64, device=device)
     if interval.policy.scores_held:
-        scores = held_scores(interval.policy, layer.layer_idx, slots, plan.capacity)
+        scores = held_scores(interval.policy, layer.layer_idx, slots, plan.capacity, steps, context.rotary)
     else:
         scores = interval_scores(
             interval.policy, layer.layer_idx, slots.keys, held, position, now, steps, context.rotary, steps.scaling

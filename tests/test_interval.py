@@ -72,6 +72,31 @@ def lagkv_scores(model, layer, keys, values, rows, now, sinks=2, lag=4):
     return torch.cat([ones[0], ranks.flatten(2).float(), ones[1]], dim=-1)
 
 
+def expected_attention_scores(model, layer, keys, values, rows, now, sinks=2, future=16):
+    """Expected Attention as kvpress's DecodingPress scores the cache with it: the mean and covariance of the
+    buffered rows' queries before rotary (but the first ``sinks`` rows), rotated by the mean rotary matrix of the
+    ``future`` positions from the buffer's length, over the held keys but the oldest ``sinks`` (which score
+    highest), softmaxed, averaged over each KV head's queries, times the value norms."""
+    attention = model.model.layers[layer].self_attn
+    hidden = torch.cat(rows, dim=1)
+    length, heads, dim, kv_heads = hidden.shape[1], model.config.num_attention_heads, attention.head_dim, keys.shape[1]
+    query = attention.q_proj(hidden[:, sinks:]).view(1, length - sinks, heads, dim).transpose(1, 2)
+    mean = query.mean(2)
+    centered = query - mean.unsqueeze(2)
+    covariance = centered.transpose(-1, -2) @ centered / (length - sinks)
+    cos, sin = model.model.rotary_emb(query, torch.arange(length, length + future).view(1, -1))
+    swap = torch.zeros(dim, dim)
+    swap[dim // 2 :, : dim // 2], swap[: dim // 2, dim // 2 :] = torch.eye(dim // 2), -torch.eye(dim // 2)
+    rotation = (cos[0].unsqueeze(1) * torch.eye(dim) + sin[0].unsqueeze(1) * swap).mean(0)
+    mean, covariance = mean @ rotation.T, rotation @ covariance @ rotation.T
+    key = keys[:, :, sinks:].repeat_interleave(heads // kv_heads, dim=1)
+    logits = (key @ mean.unsqueeze(-1)).squeeze(-1) / dim**0.5
+    logits = logits + ((key @ covariance) * key).sum(-1) / dim / 2
+    expected = logits.softmax(-1).view(1, kv_heads, heads // kv_heads, -1).mean(2)
+    expected = expected * values[:, :, sinks:].norm(dim=-1)
+    return torch.cat([torch.full((1, kv_heads, sinks), float(expected.max()) + 1), expected], dim=-1)
+
+
 def snapkv_scores(model, layer, keys, values, rows, now, window=2, kernel=3):
     """SnapKV's votes as kvpress's DecodingPress computes them: the last ``window`` attention inputs' queries, all at
     the newest position, over the keys up to their own, the window's columns then kept whatever their score."""
@@ -146,6 +171,7 @@ def interval_run(model, ids, decoding_policy, graphs=False):
         ("keydiff", {}, keydiff_scores),
         ("cur", {"num_sinks": 2, "local_window_size": 4}, cur_scores),
         ("lagkv", {"n_sink": 2, "lag_size": 3}, functools.partial(lagkv_scores, lag=3)),
+        ("expected_attention", {"n_sink": 2, "n_future_positions": 16}, expected_attention_scores),
     ],
 )
 @torch.no_grad()
@@ -167,7 +193,7 @@ def test_held_scores_order_each_heads_tokens_by_position_whatever_it_holds():
     """The held keys and values a ``scores_held`` policy scores are each KV head's, in position order, whatever slots
     they sit in and however many each head holds; free slots score 0."""
     from h2o_eval.decode import Slots
-    from h2o_eval.interval import held_scores
+    from h2o_eval.interval import Steps, held_scores
 
     generator = torch.Generator().manual_seed(3)
     keys, values = torch.randn(2, 3, 9, 4, generator=generator), torch.randn(2, 3, 9, 4, generator=generator)
@@ -176,7 +202,7 @@ def test_held_scores_order_each_heads_tokens_by_position_whatever_it_holds():
     held[0, 0], held[1, 2] = True, False
     held[1, 2, :5] = True
     policy = make_policy("cur", 1.0, num_sinks=2, local_window_size=4)
-    found = held_scores(policy, 0, Slots(keys, values, held, position, torch.zeros(2, 3, 9)), capacity=4)
+    found = held_scores(policy, 0, Slots(keys, values, held, position, torch.zeros(2, 3, 9)), 4, Steps(None), None)
     for row in range(2):
         for head in range(3):
             slot = torch.where(held[row, head], position[row, head], 99).argsort()[: int(held[row, head].sum())]

@@ -217,6 +217,9 @@ class Policy:
     # Whether :meth:`compression_scores` reads only the prompt's keys, values and real tokens, so that it can score
     # what a cache holds later, as an interval compression does (``decoding=interval``; kvpress's DecodingPress).
     scores_held: ClassVar[bool] = False
+    # For such a policy, the forwards whose attention inputs :meth:`held_scores` reads (kvpress's DecodingPress keeps
+    # the hidden states of the last 256); 0: none.
+    held_forwards: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         budget = self.budget
@@ -262,6 +265,13 @@ class Policy:
         scores the rule made (``scores``: votes pooled, or key scores); ``protected`` [B, Hkv, n] marks the tokens
         kept whatever their score. None: those scores as they are."""
         return None
+
+    def held_scores(self, held: Prompt, heads: torch.Tensor) -> torch.Tensor:
+        """[1, h, n] the scores of what the KV heads ``heads`` [h] of one sequence hold, in position order (``held``:
+        their keys and values, all real; its ``hidden_states``, the attention inputs of the last ``held_forwards``
+        forwards, and ``query``, no rows of every query head), as an interval compression scores them
+        (``scores_held``); by default the prompt's compression scores."""
+        return self.compression_scores(held, torch.zeros(held.key.shape[:-1]), held.real.new_zeros(1, 1, 1))
 
     def passes(self, script: Script) -> list[list[list[int]]]:
         """Extra passes fed after the prompt and before its compression, whose keys and values are dropped again:
@@ -477,7 +487,7 @@ def refuse_interval_policy(policy: Policy) -> None:
         raise ConfigError(
             f"decoding=interval: policy {policy.name!r} scores a prompt by its own pass over it, which an interval "
             "compression has not: use a policy scored by key scores, attention votes or the held keys and values "
-            "(knorm, snapkv, h2o, tova, keydiff, cur, lagkv, random, streaming)"
+            "(knorm, snapkv, h2o, tova, keydiff, cur, lagkv, expected_attention, random, streaming)"
         )
 
 

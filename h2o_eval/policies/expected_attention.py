@@ -6,8 +6,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from h2o_eval.errors import ConfigError
 from h2o_eval.policies.base import Plan, Policy, Rule, check_flag, check_number
-from h2o_eval.policies.inputs import Prompt
+from h2o_eval.policies.inputs import Prompt, query_projection
 
 
 def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,6 +53,8 @@ class ExpectedAttention(Policy):
     use_vnorm: bool = True
     epsilon: float = 0.0
     name: ClassVar[str] = "expected_attention"
+    scores_held: ClassVar[bool] = True
+    held_forwards: ClassVar[int] = 256  # kvpress's DecodingPress: hidden_states_buffer_size
     protocols: ClassVar[tuple[str, ...]] = ("prefill", "context")
     example: ClassVar[dict[str, Any]] = {"n_sink": 2, "n_future_positions": 16}
 
@@ -73,6 +76,42 @@ class ExpectedAttention(Policy):
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return prompt.once(f"expected_attention {self.rehearsal_identity()}", lambda: self._expected(prompt))
+
+    def held_scores(self, held: Prompt, heads: torch.Tensor) -> torch.Tensor:
+        """As kvpress's DecodingPress scores the cache with this policy: the statistics of the kept attention inputs
+        (the last 256 forwards' since the last compression) but their first ``n_sink`` rows, rotated by the mean
+        rotary matrix of the ``n_future_positions`` positions from the number of those rows (kvpress counts them
+        from its buffer's length, not from the newest token's position), over the held keys but the oldest
+        ``n_sink``, which score highest."""
+        rows = held.hidden_states.shape[1]
+        if rows <= self.n_sink:
+            raise ConfigError(
+                f"expected_attention as the decoding policy needs more than n_sink={self.n_sink} attention inputs "
+                f"between two compressions, and has {rows}: raise interval.compression_interval or lower policy.n_sink"
+            )
+        keys, values = held.key[0].float(), held.value[0].float()  # [h, n, D]
+        if keys.shape[1] <= self.n_sink:
+            return torch.ones(1, *keys.shape[:2], device=keys.device)  # sinks only: all kept
+        dim = keys.shape[-1]
+        query = query_projection(held.module, held.hidden_states[:, self.n_sink :], held.query.shape[1], dim)
+        group = held.query.shape[1] // held.module.config.num_key_value_heads
+        query = query[0, (heads.view(-1, 1) * group + torch.arange(group, device=heads.device)).flatten()].float()
+        mean = query.mean(dim=1)
+        centered = query - mean.unsqueeze(1)
+        covariance = torch.einsum("hni,hnj->hij", centered, centered) / query.shape[1]
+        if held.rotary is not None:
+            cos, sin = held.rotary(torch.arange(rows, rows + self.n_future_positions, device=keys.device))
+            rotation = average_rotation(cos.float(), sin.float())
+            mean, covariance = mean @ rotation.T, rotation @ covariance @ rotation.T
+        key = keys[:, self.n_sink :].repeat_interleave(group, dim=0)
+        logits = torch.einsum("hnd,hd->hn", key, mean) / math.sqrt(dim)
+        if self.use_covariance:
+            logits = logits + torch.einsum("hni,hij,hnj->hn", key, covariance, key) / dim / 2
+        expected = torch.softmax(logits, dim=-1).view(len(heads), group, -1).mean(dim=1)
+        if self.use_vnorm:
+            expected = (expected + self.epsilon) * values[:, self.n_sink :].norm(dim=-1)
+        sinks = expected.new_full((len(heads), self.n_sink), float(expected.max()) + 1)
+        return torch.cat([sinks, expected], dim=-1).unsqueeze(0)
 
     def _expected(self, prompt: Prompt) -> torch.Tensor:
         """[B, Hkv, n] each prompt token's expected attention (with ``use_vnorm``, times its value's norm)."""
