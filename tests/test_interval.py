@@ -60,6 +60,10 @@ def lagkv_scores(model, layer, keys, values, rows, now, sinks=2, lag=4):
     held tokens, each token min-max normalised by the next partition's range, the std over channels softmaxed
     over its partition, key and value averaged and ranked; the sinks, the last partition and the remainder 1."""
     batch, heads, length, dim = keys.shape
+    if length < sinks + 2 * lag:  # too short to partition: the sinks 1, the rest the newer the higher
+        ramp = torch.ones(batch, heads, length)
+        ramp[..., sinks:] = torch.arange(length - sinks) / (length - sinks)
+        return ramp
     end = sinks + (length - sinks) // lag * lag
 
     def lagged(states):
@@ -171,6 +175,7 @@ def interval_run(model, ids, decoding_policy, graphs=False):
         ("keydiff", {}, keydiff_scores),
         ("cur", {"num_sinks": 2, "local_window_size": 4}, cur_scores),
         ("lagkv", {"n_sink": 2, "lag_size": 3}, functools.partial(lagkv_scores, lag=3)),
+        ("lagkv", {"n_sink": 2, "lag_size": 7}, functools.partial(lagkv_scores, lag=7)),
         ("expected_attention", {"n_sink": 2, "n_future_positions": 16}, expected_attention_scores),
     ],
 )

@@ -77,11 +77,14 @@ class LagKV(PromptScorer):
         )
 
     def _scores(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        """[Hkv, T] one prompt's scores from its keys and values [Hkv, T, D]: 1 on the sinks and the tail."""
+        """[Hkv, T] one prompt's scores from its keys and values [Hkv, T, D]: 1 on the sinks and the tail (too short
+        to partition: 1 on the sinks, the others the newer the higher)."""
         found = keys.new_ones(keys.shape[:-1], dtype=torch.float32)
         length = keys.shape[1]
-        if length < self.n_sink + 2 * self.lag_size:
-            return found  # the sinks and the tail are everything
+        if length < self.n_sink + 2 * self.lag_size:  # the sinks, then the newer the higher (kvpress's ramp)
+            ramp = torch.arange(max(length - self.n_sink, 0), device=keys.device) / max(length - self.n_sink, 1)
+            found[:, self.n_sink :] = ramp.to(keys.dtype)
+            return found
         partitioned = slice(self.n_sink, length - (length - self.n_sink) % self.lag_size)
         lagged = (
             lag_relative(keys[:, partitioned], self.lag_size) + lag_relative(values[:, partitioned], self.lag_size)
