@@ -183,7 +183,8 @@ PRESSES: dict[str, Press] = {
     "decoding_cur": Press("cur", {}, lambda kv, r: kv.CURPress(compression_ratio=r), decoding="size", ties=True),
     "decoding_lagkv": Press("lagkv", {}, lambda kv, r: kv.LagKVPress(compression_ratio=r), decoding="size", ties=True),
     "decoding_expected_attention": Press(
-        "expected_attention", {}, lambda kv, r: kv.ExpectedAttentionPress(compression_ratio=r), decoding="size"
+        "expected_attention", {}, lambda kv, r: kv.ExpectedAttentionPress(compression_ratio=r), decoding="size",
+        ties=True,
     ),
     "ratio_decoding_knorm": Press(
         "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="ratio", ties=True
