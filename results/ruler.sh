@@ -104,6 +104,7 @@ leaderboard_1q() {
         "policy=expected_attention,keydiff,h2o,criticalkv,random,tova"
         "policy=observed_attention,lagkv,cur,non_causal_attention,leverage,compactor $six"
         "policy=chunkkv,entropy_gated_chunkkv,finch $six"
+        "policy=adakv policy.base=compactor $six"
     )
     for task in ${ONE_TASKS:-niah_single_2 qa_1}; do
         for group in "${groups[@]}"; do
