@@ -170,22 +170,16 @@ PRESSES: dict[str, Press] = {
     "dms_keydiff": Press(
         "dms", {"base": "keydiff"}, lambda kv, t: kv.DMSPress(kv.KeyDiffPress(), threshold=t), threshold=True
     ),
-    "decoding_knorm": Press(
-        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="size", ties=True
-    ),
     "decoding_snapkv": Press(
         "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
         lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="size", ties=True,
     ),
-    "decoding_keydiff": Press(
-        "keydiff", {}, lambda kv, r: kv.KeyDiffPress(compression_ratio=r), decoding="size", ties=True
-    ),
-    "decoding_cur": Press("cur", {}, lambda kv, r: kv.CURPress(compression_ratio=r), decoding="size", ties=True),
-    "decoding_lagkv": Press("lagkv", {}, lambda kv, r: kv.LagKVPress(compression_ratio=r), decoding="size", ties=True),
-    "decoding_expected_attention": Press(
-        "expected_attention", {}, lambda kv, r: kv.ExpectedAttentionPress(compression_ratio=r), decoding="size",
-        ties=True,
-    ),
+    **{  # DecodingPress over key scores and the scorers of what is held
+        f"decoding_{name}": Press(name, {}, lambda kv, r, scorer=scorer: getattr(kv, scorer)(compression_ratio=r),
+                                  decoding="size", ties=True)
+        for name, scorer in (("knorm", "KnormPress"), ("keydiff", "KeyDiffPress"), ("cur", "CURPress"),
+                             ("lagkv", "LagKVPress"), ("expected_attention", "ExpectedAttentionPress"))
+    },
     "ratio_decoding_knorm": Press(
         "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="ratio", ties=True
     ),
