@@ -6,10 +6,10 @@
 
 The overrides and their comma sweeps are Hydra's, expanded as ``--multirun`` would; every cell becomes the
 record ``python -m h2o_eval`` would write for it (same identity, same file; existing records are skipped). Cells
-of a long-context task that differ only in policy, budget and protocol (``prefill`` or ``context``) run together
-in one process: per batch of documents, the prompt (or context), which attends in full whatever the policy, is
-computed once and every cell's cache compresses it by its own policy (the runner's ``evaluate_shared``), the
-cells that differ only in budget after one run of their policy's extra passes (KVzip's repeat); each cell then
+of a long-context task that differ only in policy, budget (or threshold) and protocol (``prefill`` or ``context``)
+run together in one process: per batch of documents, the prompt (or context), which attends in full whatever the
+policy, is computed once and every cell's cache compresses it by its own policy (the runner's ``evaluate_shared``),
+the cells that differ only in budget after one run of their policy's extra passes (KVzip's repeat); each cell then
 generates alone. Loading, timing and record writing are ``python -m h2o_eval``'s own
 (:func:`h2o_eval.run.compute`). The prompt's attention is then the full cache's for every cell, so a cell can differ
 from its separate run by floating-point rounding there, nowhere else. Other cells run one by one.
@@ -26,7 +26,7 @@ from h2o_eval.errors import ConfigError
 if TYPE_CHECKING:
     from h2o_eval.run import Spec
 
-SHARED_KEYS = ("policy", "budget", "protocol")
+SHARED_KEYS = ("policy", "budget", "threshold", "protocol")
 
 
 def expand(overrides: list[str]) -> list[list[str]]:
@@ -96,8 +96,8 @@ def compose(overrides: list[str]) -> dict[str, Any]:
 
 
 def groups(specs: list[Spec]) -> list[list[Spec]]:
-    """Validated cells whose runner can share their prompt passes, grouped by everything but policy, budget and
-    protocol; every other cell alone."""
+    """Validated cells whose runner can share their prompt passes, grouped by everything but policy, budget,
+    threshold and protocol; every other cell alone."""
     together: dict[str, list[Spec]] = {}
     alone = []
     for spec in specs:

@@ -176,9 +176,10 @@ def execute(
 
 
 def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Compute validated cells of one model and task that differ only in policy, budget and protocol, and write
-    their records: one model load; the runner evaluates them together where it can share their prompt passes
-    (:meth:`~h2o_eval.runners.Runner.evaluate_shared`), else one by one. Returns the records, in order."""
+    """Compute validated cells of one model and task that differ only in policy, budget (or threshold) and
+    protocol, and write their records: one model load; the runner evaluates them together where it can share their
+    prompt passes (:meth:`~h2o_eval.runners.Runner.evaluate_shared`), else one by one. Returns the records, in
+    order."""
     from h2o_eval.models import load_model
 
     first = specs[0].config

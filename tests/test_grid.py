@@ -254,6 +254,30 @@ def test_only_compressed_caches_that_evict_nothing_more_and_saw_the_same_tokens_
         EvictionCache.stack([fed("grow", ids), fed("grow", ids[:, :30])])
 
 
+@pytest.mark.parametrize("stack", [False, True])
+def test_cells_that_differ_in_threshold_share_the_prompt_and_answer_as_separate_runs(data_dir, tmp_path, stack):
+    """A sweep of thresholds (the ``dms`` of one base, kvpress's DMSPress) beside the base at a budget is one group
+    of the grid; reference: each cell evaluated alone; implementation: the group's shared evaluation, its copies
+    decoded one by one or stacked. Answers, capacities, kept entries and the KV peak are the separate runs', and
+    the thresholds keep different shares of the context."""
+    settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 2, "batch_size": 2, "decoding": "grow"}
+    settings |= {"task.length": 600, "task.max_new_tokens": 6, "protocol": "context", "stack_cells": stack}
+    cells = [{"threshold": t} for t in (-0.7, -0.6, -0.5)] + [{"budget": 0.3}]
+    specs = [validate(make_config(data_dir, tmp_path, **settings, policy="knorm", **cell)) for cell in cells]
+    assert [len(group) for group in grid.groups(specs)] == [len(cells)]
+    configs = [spec.config for spec in specs]
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
+    shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
+    keys = ("id", "prediction", "capacity", "generated_tokens", "kv_entries", "prompt_tokens")
+    for one, together in zip(separate, shared, strict=True):
+        assert [[o[k] for k in keys] for o in together.outputs] == [[o[k] for k in keys] for o in one.outputs]
+        assert together.fields["capacity"] == one.fields["capacity"]
+        assert together.fields["generation"]["kv_peak_entries"] == one.fields["generation"]["kv_peak_entries"]
+    kept = [one.fields["capacity"]["kept_fraction_mean"] for one in separate[:3]]
+    assert 1 > kept[0] > kept[1] > kept[2], f"the rising thresholds should keep falling shares here: {kept}"
+
+
 def test_stacking_cells_needs_the_context_protocol_and_grow(data_dir, tmp_path):
     config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", stack_cells=True)
     with pytest.raises(ConfigError, match="stack_cells=true .* protocol=context decoding=grow only"):

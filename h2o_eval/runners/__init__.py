@@ -107,7 +107,7 @@ class Runner:
         raise NotImplementedError
 
     def shares_prompts(self, config: Mapping[str, Any]) -> bool:
-        """Whether cells that differ only in policy, budget and protocol can share their prompt pass
+        """Whether cells that differ only in policy, budget (or threshold) and protocol can share their prompt pass
         (:meth:`evaluate_shared`)."""
         return False
 

@@ -161,9 +161,9 @@ class LongContextRunner(Runner):
     def evaluate_shared(
         self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
     ) -> list[Evaluation]:
-        """The cells' evaluations; they differ only in policy, budget and protocol: every question answered by
-        every cell on the generation path (:func:`h2o_eval.generation.answer`: a context fed once for every cell's
-        cache, a copy of it per question), then scored with RULER's metric."""
+        """The cells' evaluations; they differ only in policy, budget (or threshold) and protocol: every question
+        answered by every cell on the generation path (:func:`h2o_eval.generation.answer`: a context fed once for
+        every cell's cache, a copy of it per question), then scored with RULER's metric."""
         from h2o_eval import generation
 
         config = cells[0][1]
