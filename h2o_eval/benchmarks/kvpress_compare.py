@@ -105,6 +105,13 @@ def layer_ratios(ratio: float, layers: int) -> list[float]:
     return [ratio if layer % 2 == 0 else ratio / 2 for layer in range(layers)]
 
 
+SNAPKV_4 = {"window": 4, "kernel_size": 5, "pooling": "avg"}  # the decoding cases' SnapKV: a window of 4
+
+
+def _snapkv_4(kv: Any, ratio: float) -> Any:
+    return kv.SnapKVPress(compression_ratio=ratio, window_size=4, kernel_size=5)
+
+
 PRESSES: dict[str, Press] = {
     "observed_attention": Press(
         "observed_attention", {}, lambda kv, r: kv.ObservedAttentionPress(compression_ratio=r), eager=True
@@ -170,30 +177,19 @@ PRESSES: dict[str, Press] = {
     "dms_keydiff": Press(
         "dms", {"base": "keydiff"}, lambda kv, t: kv.DMSPress(kv.KeyDiffPress(), threshold=t), threshold=True
     ),
-    "decoding_snapkv": Press(
-        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
-        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="size", ties=True,
-    ),
+    "decoding_snapkv": Press("snapkv", SNAPKV_4, _snapkv_4, decoding="size", ties=True),
     **{  # DecodingPress over key scores and the scorers of what is held
         f"decoding_{name}": Press(name, {}, lambda kv, r, scorer=scorer: getattr(kv, scorer)(compression_ratio=r),
                                   decoding="size", ties=True)
         for name, scorer in (("knorm", "KnormPress"), ("keydiff", "KeyDiffPress"), ("cur", "CURPress"),
                              ("lagkv", "LagKVPress"), ("expected_attention", "ExpectedAttentionPress"))
     },
-    "ratio_decoding_knorm": Press(
-        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="ratio", ties=True
-    ),
-    "ratio_decoding_snapkv": Press(
-        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
-        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="ratio", ties=True,
-    ),
-    "prefill_decoding_snapkv": Press(
-        "snapkv", {"window": 4, "kernel_size": 5, "pooling": "avg"},
-        lambda kv, r: kv.SnapKVPress(compression_ratio=r, window_size=4, kernel_size=5), decoding="prefill", ties=True,
-    ),
-    "prefill_decoding_knorm": Press(
-        "knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r), decoding="prefill", ties=True
-    ),
+    **{  # CompressionRatioDecodingPress and PrefillDecodingPress over Knorm and SnapKV
+        f"{mode}_decoding_{name}": Press(name, params, make, decoding=mode, ties=True)
+        for mode in ("ratio", "prefill")
+        for name, params, make in (("knorm", {}, lambda kv, r: kv.KnormPress(compression_ratio=r)),
+                                   ("snapkv", SNAPKV_4, _snapkv_4))
+    },
 }  # fmt: skip
 
 
