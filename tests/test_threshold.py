@@ -170,6 +170,38 @@ def test_the_threshold_setting_wraps_the_configured_policy():
         configured_policy(dict(config, policy={"name": "streaming"}))
 
 
+@torch.no_grad()
+def test_a_threshold_keeps_the_same_tokens_whatever_the_budget_given(tiny):
+    """Reference: dms over a Compactor built at budget 1.0 (kvpress's DMSPress over a CompactorPress at its default
+    ratio of 0), whose scores blend by the ratio; implementation: dms built at budgets 0.3 and 0.9. Each keeps the
+    reference's tokens in every layer and KV head, and says budget 1.0."""
+    from h2o_eval.policies.dms import DMS
+
+    ids = torch.randint(5, tiny[0].config.vocab_size, (1, 400), generator=torch.Generator().manual_seed(3))
+
+    def kept(policy):
+        cache = EvictionCache(tiny[0], policy, protocol="context")
+        tiny[0](ids, cache=cache, use_cache=True)
+        return [layer.position[layer.held].sort().values.tolist() for layer in cache.layers]
+
+    reference = kept(DMS(base=make_policy("compactor", 1.0), threshold=0.5))
+    assert reference != kept(DMS(base=make_policy("compactor", 0.3), threshold=0.5)), "the ratio should matter here"
+    for budget in (0.3, 0.9):
+        policy = make_policy("dms", budget, base="compactor", threshold=0.5)
+        assert policy.budget == policy.base.budget == 1.0 and kept(policy) == reference
+
+
+def test_threshold_runs_that_differ_only_in_budget_are_one_record(data_dir, tmp_path):
+    from conftest import make_config
+
+    from h2o_eval.run import validate
+
+    settings = {"model": "tiny-llama", "task": "niah_single_1", "task.length": 600, "policy": "knorm", "threshold": -3}
+    specs = [validate(make_config(data_dir, tmp_path, **settings, budget=budget)) for budget in (0.2, 0.5)]
+    assert specs[0].path == specs[1].path and "__b1.0__" in specs[0].path.name
+    assert specs[0].config["budget"] == 1.0
+
+
 def test_records_without_a_threshold_keep_the_identity_they_had_before_the_setting():
     from conftest import make_config
 

@@ -16,11 +16,12 @@ class DMS(Wrapper):
     ``sliding_window`` are protected, and every older token scoring below ``threshold`` is evicted.
 
     When the prompt is compressed, each token older than the window whose score (the base's, as the base compresses
-    by them) is below the threshold goes; heads keep different numbers of tokens, so the budget plays no part and
-    the record's realised capacities say what was kept. With ``decoding`` the cache keeps doing it while decoding:
-    each arriving token is scored by the base's per-token scores (``key_scores``), and at the end of every forward
-    each token that has left the window by then and scores below the threshold goes, its slot freed. Without it,
-    every token after the prompt is kept (kvpress's default).
+    by them) is below the threshold goes; heads keep different numbers of tokens, so the budget plays no part: the
+    base is built at budget 1.0 whatever the budget given (a scorer press in kvpress's DMSPress keeps its ratio of
+    0), a run's record says budget 1.0, and its realised capacities say what was kept. With ``decoding`` the cache
+    keeps doing it while decoding: each arriving token is scored by the base's per-token scores (``key_scores``),
+    and at the end of every forward each token that has left the window by then and scores below the threshold
+    goes, its slot freed. Without it, every token after the prompt is kept (kvpress's default).
 
     As kvpress's press: the prompt attends in full and is compressed after it; a forward's tokens (a question fed
     at once) all see what the cache held before it, and what leaves the window during it is dropped at its end.
@@ -42,6 +43,7 @@ class DMS(Wrapper):
     decoding: bool = False
     name: ClassVar[str] = "dms"
     default_base_name: ClassVar[str] = "knorm"
+    base_budget: ClassVar[float] = 1.0
     # A threshold below any key-norm score: the generic suites run the policy through every path, evicting nothing
     # (no threshold reproduces a budget); tests/test_threshold.py proves what it drops.
     example: ClassVar[dict[str, Any]] = {"threshold": -1e9}

@@ -23,6 +23,9 @@ class Wrapper(Policy):
     # The base make_policy builds when none is named, and the parameters it gives that base.
     default_base_name: ClassVar[str]
     default_base_params: ClassVar[dict[str, Any]] = {}
+    # The budget make_policy builds the base at whatever budget it is given (None: that budget): ``dms``'s 1.0, as
+    # a threshold decides what stays and a scorer press in kvpress's DMSPress keeps its compression ratio of 0.
+    base_budget: ClassVar[float | None] = None
 
     def __post_init__(self) -> None:
         if self.base is None:
@@ -36,7 +39,8 @@ class Wrapper(Policy):
     def default_base(self) -> Policy:
         from h2o_eval.policies import make_policy
 
-        return make_policy(self.default_base_name, self.budget, rounding=self.rounding, **self.default_base_params)
+        budget = self.budget if self.base_budget is None else self.base_budget
+        return make_policy(self.default_base_name, budget, rounding=self.rounding, **self.default_base_params)
 
     @classmethod
     def refusal(cls, base: Policy) -> str | None:
