@@ -50,14 +50,19 @@ def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def policy_departures(built: Mapping[str, Any]) -> dict[str, Any]:
     """The built policy's parameters (``Policy.describe()``) that its YAML's policy at the same budget and rounding
     would not have, as ``policy.<name>`` (a wrapped base's as ``policy.base.<name>``; ``policy.base.name`` when the
-    base differs), the keys the command line sets them with. A policy that its YAML cannot build (a record made under
-    other defaults) departs in every parameter."""
-    from h2o_eval.policies import make_policy
+    base differs), the keys the command line sets them with. A wrapper over another base than its YAML's (a
+    threshold's ``dms`` over any policy, ``adakv`` over ``compactor``) is held against its YAML with that base at the
+    base's own YAML parameters, so that only ``policy.base.name`` and what departs from both depart. A policy that
+    its YAML cannot build (a record made under other defaults) departs in every parameter."""
+    from h2o_eval.policies import POLICIES, make_policy
 
     params = _group("policy").get(built["name"], {})
-    if built["name"] == "dms":  # a threshold's base at its own YAML's parameters (its name departs from dms's YAML)
+    base = built.get("base")
+    usual_base = params.get("base") or getattr(POLICIES.get(built["name"]), "default_base_name", None)
+    other_base = isinstance(base, Mapping) and base["name"] != usual_base
+    if other_base:
         own = {key: value for key, value in params.items() if key not in ("name", "base")}
-        params = {**_group("policy").get(built["base"]["name"], {}), **own, "base": built["base"]["name"]}
+        params = {**_group("policy").get(base["name"], {}), **own, "base": base["name"]}
     try:
         default = make_policy(
             built["name"], built.get("budget", 1.0), rounding=built.get("rounding", "up"),
@@ -73,8 +78,8 @@ def policy_departures(built: Mapping[str, Any]) -> dict[str, Any]:
         if key.rsplit(".", 1)[-1] not in ignored or key == "base.name"
         if key not in usual or usual[key] != value
     }
-    if built["name"] == "dms" and built["base"]["name"] != _group("policy")["dms"]["base"]:
-        found["policy.base.name"] = built["base"]["name"]
+    if other_base:
+        found["policy.base.name"] = base["name"]
     return found
 
 

@@ -244,3 +244,17 @@ def test_a_wrappers_default_base_takes_its_defaults_whether_named_or_not():
     assert from_config.base.use_vnorm is False
     assert from_config == make_policy("criticalkv") == make_policy("criticalkv", base="expected_attention")
     assert make_policy("criticalkv", base="expected_attention", use_vnorm=True).base.use_vnorm is True
+
+
+def test_a_wrapper_over_another_base_departs_in_that_bases_name_and_what_departs_from_its_yaml():
+    """A record's name and a report's label carry the departures: AdaKV over Compactor (kvpress's adakv_compactor)
+    is ``base.name=compactor``, not every parameter of Compactor that SnapKV (adakv's YAML base) lacks."""
+    from h2o_eval.settings import policy_departures
+
+    compactor = make_policy("adakv", 0.5, base="compactor").describe()
+    assert policy_departures(compactor) == {"policy.base.name": "compactor"}
+    departed = make_policy("adakv", 0.5, base="compactor", chunk_size=128, alpha=0.3).describe()
+    assert policy_departures(departed) == {
+        "policy.base.name": "compactor", "policy.base.chunk_size": 128, "policy.alpha": 0.3
+    }  # fmt: skip
+    assert policy_departures(make_policy("adakv", 0.5, base="snapkv", window=8).describe()) == {"policy.base.window": 8}
