@@ -549,6 +549,34 @@ def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashe
     )
 
 
+def test_many_policies_at_hard_ratios_stay_apart_in_the_leaderboard_figure(tmp_path):
+    """Twelve policies (more than the colour cycle) at 0.25, 0.9375 and 0.96875: the ratio axis is a logit scale
+    on which 0.9375 and 0.96875 stand apart (a linear axis puts them 4 % of the way from 0.25 apart); lines that
+    share a colour differ in marker; the lines at one ratio spread over at most figures.SPREAD points."""
+    import matplotlib.pyplot as plt
+
+    policies = ["h2o", "snapkv", "tova", "knorm", "streaming", "random", "keydiff", "expected_attention"]
+    policies += ["pyramidkv", "lagkv", "cur", "leverage"]
+    long_record(tmp_path, "vt", "full", 1.0, [[1]] * 4)
+    for number, policy in enumerate(policies):
+        for budget in (0.75, 0.0625, 0.03125):
+            long_record(tmp_path, "vt", policy, budget, [[1]] * (number % 4) + [[0]] * (4 - number % 4))
+    rows = tables.table(results.load_records(tmp_path))
+    ((key, group),) = leaderboards.leaderboards(headline.long_context(rows, tmp_path)).items()
+    ax = leaderboards.leaderboard_figure(key, group).axes[0]
+    ax.figure.canvas.draw()
+    assert ax.get_xscale() == "logit"
+    assert [tick.get_text() for tick in ax.get_xticklabels()] == ["0.25", "0.9375", "0.96875"]
+    x = [ax.transData.transform((ratio, 0))[0] for ratio in (0.25, 0.9375, 0.96875)]
+    assert x[2] - x[1] > (x[1] - x[0]) / 8
+    lines = [container.lines[0] for container in ax.containers]
+    assert len(lines) == len(policies) and len({line.get_color() for line in lines}) < len(policies)
+    assert len({(line.get_color(), line.get_marker()) for line in lines}) == len(policies)
+    at_025 = [line.get_transform().transform((line.get_xdata()[0], 0))[0] for line in lines]
+    assert max(at_025) - min(at_025) <= figures.SPREAD / 72 * ax.figure.dpi + 1e-6
+    plt.close(ax.figure)
+
+
 def test_cli_leaderboard_without_long_context_records_says_what_to_run(results_dir, capsys):
     with pytest.raises(SystemExit):
         plot.main([str(results_dir), "--leaderboard"])

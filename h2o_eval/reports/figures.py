@@ -26,11 +26,16 @@ def budget_label(protocols: list[str], what: str = "KV cache budget") -> str:
     return f"{what} (% of " + ", of ".join(f"{BUDGET_SHARE[p]} for {p}" for p in protocols) + ")"
 
 
+SPREAD = 16.0  # the most points the lines at one x are spread over, however many: they stay by their x
+
+
 def offset(ax: Any, index: int, count: int, points: float = 3.0) -> Any:
-    """A data transform that draws line ``index`` of ``count`` shifted sideways by a few points, so that points
-    of different lines at one x stay apart; the data keep their true x."""
+    """A data transform that draws line ``index`` of ``count`` shifted sideways by a few points (fewer when many
+    lines would spread past :data:`SPREAD`), so that points of different lines at one x stay apart; the data keep
+    their true x."""
     from matplotlib.transforms import ScaledTranslation
 
+    points = min(points, SPREAD / max(count - 1, 1))
     shift = (index - (count - 1) / 2) * points / 72
     return ax.transData + ScaledTranslation(shift, 0, ax.figure.dpi_scale_trans)
 

@@ -191,14 +191,19 @@ def leaderboard_rows(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+MARKERS = ("o", "^", "v", "D", "P")  # the lines' markers: each round of the colour cycle takes the next
+
+
 def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
     """Score against compression ratio as kvpress's public plot draws it: a line per policy with its interval,
-    the full cache a dashed reference and the oracle a dotted one; lines drawn slightly apart at each ratio. The
-    threshold runs of one base are one dash-dotted line of squares through the ratios they realised."""
+    the full cache a dashed reference and the oracle a dotted one; lines drawn slightly apart at each ratio, those
+    that share a colour told apart by their markers. The threshold runs of one base are one dash-dotted line of
+    squares through the ratios they realised. The ratio axis is a logit scale (:func:`_ratio_axis`)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    oracle_drawn = "oracle" in {s["method"] for s in group}
     line = {s["policy"]: s.get("threshold") or s["policy"] for s in group}
     method = {line[s["policy"]]: s["method"] for s in group}
     policies = list(dict.fromkeys(line[p] for p in _leaderboard_order(group) if method[line[p]] != "full"))
@@ -209,6 +214,7 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
         values = [s["mean"].value for s in points]
         oracle = method[policy] == "oracle"
         threshold = bool(points[0].get("threshold"))
+        place = number - oracle_drawn  # in the colour cycle: the oracle draws in black
         ax.errorbar(
             [_ratio(position(s)) for s in points],
             values,
@@ -216,20 +222,16 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
                 [v - s["mean"].low for v, s in zip(values, points, strict=True)],
                 [s["mean"].high - v for v, s in zip(values, points, strict=True)],
             ],
-            marker="s" if threshold else "o",
+            marker="s" if threshold else MARKERS[place // len(colors) % len(MARKERS)],
             markersize=4,
             capsize=3,
-            color="black" if oracle else colors[(number - ("oracle" in method.values())) % len(colors)],
+            color="black" if oracle else colors[place % len(colors)],
             linestyle=":" if oracle else "-." if threshold else "-",
             label=ORACLE_LABEL if oracle else policy,
             transform=offset(ax, number, len(policies)),
         )
     tasks = sorted({task for s in group for task in s["tasks"]}, key=task_order)
-    ratios = sorted({_ratio(position(s)) for s in group if s["method"] != "full" and not s.get("threshold")})
-    reached = [_ratio(position(s)) for s in group if s["method"] != "full"]
-    if ratios:
-        ax.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios])
-    ax.set_xlim(min(reached) - 0.1, max(reached) + 0.1)
+    _ratio_axis(ax, group)
     ax.set(
         xlabel=f"compression ratio (share of {BUDGET_SHARE[key[1]]} removed, 1 − budget)",
         ylabel=f"score (mean of {tasks_label(tasks)}, x100)",
@@ -237,9 +239,31 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
         ylim=(-2, 102),
     )
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4, frameon=False)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)  # beside: the axes keep width
     fig.tight_layout()
     return fig
+
+
+def _ratio_axis(ax: Any, group: list[dict[str, Any]]) -> None:
+    """The compression ratio axis: a logit scale, on which each halving of the budget near the top (0.875, 0.9375,
+    0.96875) is a step as wide as 0.25 to 0.5, ticked at the ratios run (linear where a ratio is 0 or 1, which it
+    cannot place)."""
+    import math
+
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    ratios = sorted({_ratio(position(s)) for s in group if s["method"] != "full" and not s.get("threshold")})
+    reached = [_ratio(position(s)) for s in group if s["method"] != "full"]
+    if all(0 < ratio < 1 for ratio in reached):
+        ax.set_xscale("logit")
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        logit = [math.log(ratio / (1 - ratio)) for ratio in (min(reached), max(reached))]
+        ax.set_xlim(*(1 / (1 + math.exp(-(x + margin))) for x, margin in zip(logit, (-0.5, 0.5), strict=True)))
+    else:
+        ax.set_xlim(min(reached) - 0.1, max(reached) + 0.1)
+    if ratios:
+        ax.set_xticks(ratios, [f"{ratio:g}" for ratio in ratios])
 
 
 def write_leaderboards(settings: list[dict[str, Any]], out: Path) -> tuple[list[Path], str]:
