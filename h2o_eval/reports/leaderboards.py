@@ -201,7 +201,7 @@ def leaderboard_figure(key: tuple, group: list[dict[str, Any]]) -> Any:
     squares through the ratios they realised. The ratio axis is a logit scale (:func:`_ratio_axis`)."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))  # the legend beside takes 4 inches of it
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     oracle_drawn = "oracle" in {s["method"] for s in group}
     line = {s["policy"]: s.get("threshold") or s["policy"] for s in group}
