@@ -97,7 +97,7 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
         if base not in POLICIES or issubclass(POLICIES[base], cls):
             valid = [n for n in POLICIES if not issubclass(POLICIES[n], cls) and cls.refusal(example_policy(n)) is None]
             raise ConfigError(f"{name}: base={base!r}: use one of {', '.join(valid)}")
-        budget = budget if cls.base_budget is None else cls.base_budget
+        budget = cls.budget_of_base(budget)
         return cls(budget=budget, base=make_policy(base, budget, **params), **own)
     own = _parameters(cls)
     if unknown := set(params) - own - {"rounding"}:

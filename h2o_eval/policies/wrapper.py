@@ -39,8 +39,13 @@ class Wrapper(Policy):
     def default_base(self) -> Policy:
         from h2o_eval.policies import make_policy
 
-        budget = self.budget if self.base_budget is None else self.base_budget
+        budget = self.budget_of_base(self.budget)
         return make_policy(self.default_base_name, budget, rounding=self.rounding, **self.default_base_params)
+
+    @classmethod
+    def budget_of_base(cls, budget: float | int) -> float | int:
+        """The budget the base is built at when the wrapper is given ``budget``: :attr:`base_budget`, if set."""
+        return budget if cls.base_budget is None else cls.base_budget
 
     @classmethod
     def refusal(cls, base: Policy) -> str | None:
