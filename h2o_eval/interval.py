@@ -51,14 +51,16 @@ class Steps:
             self.chunk = chunk
 
     def saw(self, layer, module: torch.nn.Module, hidden_states: torch.Tensor | None, scaling: float) -> None:
-        """Before ``layer`` attends a forward after its prompt: keep its attention input [B, n, hidden] (and its
-        module and logit scale) where the decoding policy's votes read it."""
-        if not self.keeps or not layer.seen or layer.window is not None:
+        """Before ``layer`` attends a forward after its prompt: note its attention module and logit scale, and keep
+        its attention input [B, n, hidden] where the decoding policy's votes read it."""
+        if self.interval is None or not layer.seen or layer.window is not None:
+            return
+        self.module, self.scaling = module, scaling
+        if not self.keeps:
             return
         if hidden_states is None:
             raise ConfigError("decoding=interval: this decoding policy votes, and the model does not pass the "
                               "attention's input: use a key-scored decoding policy such as knorm")  # fmt: skip
-        self.module, self.scaling = module, scaling
         self.rows.append(hidden_states.detach())
         if self.forwards:
             del self.rows[: -self.forwards]
@@ -205,7 +207,11 @@ def compress_layer(layer) -> None:
         scores = interval_scores(
             interval.policy, layer.layer_idx, slots.keys, held, position, now, steps, context.rotary, steps.scaling
         )
-    kept, scores, _ = compress(held, scores, position, capacity, recent, sinks, now, interval.policy.rule)
+
+    def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        return interval.policy.rescore_held(pooled, protected, slots.values, held, capacity, steps.module)
+
+    kept, scores, _ = compress(held, scores, position, capacity, recent, sinks, now, interval.policy.rule, rescore)
     layer.peak = max(layer.peak, layer.most)
     layer._keep(Slots(slots.keys, slots.values, kept, position, scores), held)
     layer._settled()

@@ -122,6 +122,35 @@ def snapkv_scores(model, layer, keys, values, rows, now, window=2, kernel=3):
     return torch.cat([pooled, torch.full((1, keys.shape[1], window), torch.inf)], dim=-1)
 
 
+def observed_attention_scores(model, layer, keys, values, rows, now):
+    """kvpress's ObservedAttentionPress as its DecodingPress scores the cache: the compressing forward's attention
+    row over the held keys (its query at the newest position), divided by n, n - 1, ..., 1 along the cache,
+    averaged over each KV head's query heads."""
+    attention = model.model.layers[layer].self_attn
+    heads, dim, kv_heads, length = model.config.num_attention_heads, attention.head_dim, keys.shape[1], keys.shape[2]
+    query = attention.q_proj(rows[-1]).view(1, 1, heads, dim).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(query, torch.tensor([[now]]))
+    halves = torch.cat((-query[..., dim // 2 :], query[..., : dim // 2]), -1)
+    query = query * cos.unsqueeze(1) + halves * sin.unsqueeze(1)
+    weights = query @ keys.repeat_interleave(heads // kv_heads, dim=1).transpose(-1, -2) * attention.scaling
+    scores = weights.softmax(-1).sum(2) / torch.arange(length, 0, -1)
+    return scores.view(1, kv_heads, -1, length).mean(2)
+
+
+def criticalkv_scores(model, layer, keys, values, rows, now, base=keydiff_scores, mean=1, epsilon=1e-4):
+    """CriticalKV as kvpress's DecodingPress scores the cache with it: its base's scores (``mean`` rows and query
+    heads averaged), the top int(TARGET / 2) the highest, the rest (score + ``epsilon``) times the L1 norm of each value
+    through the output projection, averaged over the KV head's query heads."""
+    scores = base(model, layer, keys, values, rows, now) / mean
+    top = scores.topk(TARGET // 2, dim=-1).indices
+    attention = model.model.layers[layer].self_attn
+    heads, dim, kv_heads = model.config.num_attention_heads, attention.head_dim, keys.shape[1]
+    projection = attention.o_proj.weight.T.reshape(heads, dim, -1)
+    projected = torch.einsum("bhtd,hdo->bhto", values.repeat_interleave(heads // kv_heads, dim=1), projection)
+    norms = projected.abs().sum(-1).view(1, kv_heads, heads // kv_heads, -1).mean(2)
+    return ((scores + epsilon) * norms).scatter(-1, top, torch.finfo(torch.float32).max)
+
+
 def reference(model, ids, score):
     """Greedy tokens and logits of a full DynamicCache compressed by hand every EVERY decode tokens to TARGET."""
     rows: dict[int, list[torch.Tensor]] = {}
@@ -177,6 +206,13 @@ def interval_run(model, ids, decoding_policy, graphs=False):
         ("lagkv", {"n_sink": 2, "lag_size": 3}, functools.partial(lagkv_scores, lag=3)),
         ("lagkv", {"n_sink": 2, "lag_size": 7}, functools.partial(lagkv_scores, lag=7)),
         ("expected_attention", {"n_sink": 2, "n_future_positions": 16}, expected_attention_scores),
+        ("observed_attention", {}, observed_attention_scores),
+        ("criticalkv", {"base": "keydiff"}, criticalkv_scores),
+        (
+            "criticalkv",
+            {"base": "snapkv", "window": 2, "kernel_size": 3, "pooling": "avg", "epsilon": 0.05},
+            functools.partial(criticalkv_scores, base=snapkv_scores, mean=2 * 2, epsilon=0.05),
+        ),
     ],
 )
 @torch.no_grad()
@@ -218,14 +254,17 @@ def test_held_scores_order_each_heads_tokens_by_position_whatever_it_holds():
     assert len({int(count) for count in held.sum(-1).flatten()}) > 2  # heads holding different numbers
 
 
-@pytest.mark.parametrize("name", ["knorm", "cur"])
+@pytest.mark.parametrize(
+    ("name", "params"), [("knorm", {}), ("cur", {}), ("adakv", {"base": "knorm"}), ("criticalkv", {"base": "keydiff"})]
+)
 @torch.no_grad()
-def test_replayed_interval_steps_equal_eager_ones(tiny, name):
+def test_replayed_interval_steps_equal_eager_ones(tiny, name, params):
     """A decoding policy that scores keys (or what is held) without votes has its steps captured: each compression
-    lays the buffers out anew, so the next step warms up and is captured again; the replays give the eager tokens."""
+    lays the buffers out anew (heads holding different numbers under adakv), so the next step warms up and is
+    captured again; the replays give the eager tokens."""
     model, _ = tiny
-    tokens, logits, _ = interval_run(model, prompt_ids(), make_policy(name, 1.0))
-    replayed, replayed_logits, cache = interval_run(model, prompt_ids(), make_policy(name, 1.0), graphs=True)
+    tokens, logits, _ = interval_run(model, prompt_ids(), make_policy(name, 1.0, **params))
+    replayed, replayed_logits, cache = interval_run(model, prompt_ids(), make_policy(name, 1.0, **params), graphs=True)
     assert torch.equal(replayed, tokens)
     torch.testing.assert_close(replayed_logits, logits, rtol=0, atol=1e-5)
     assert cache.graphs.replays >= 8
@@ -239,7 +278,8 @@ def test_interval_settings_are_checked_in_one_line(tiny):
         (lambda: Interval(8, target_size=4, target_ratio=0.5), "target_size or target_ratio, not both"),
         (lambda: Interval(8, target_ratio=1.0), "target_ratio=1.0: use a fraction in \\[0, 1\\)"),
         (lambda: Interval(8, policy=make_policy("kvzip", 0.5)), "policy 'kvzip' scores a prompt by its own pass"),
-        (lambda: Interval(8, policy=make_policy("adakv", 0.5)), "policy 'adakv' wraps a base policy"),
+        (lambda: Interval(8, policy=make_policy("chunk", 0.5)), "policy 'chunk' wraps a base policy in a way"),
+        (lambda: Interval(8, policy=make_policy("adakv", 0.5, base="kvzip")), "policy 'kvzip' scores a prompt"),
         (lambda: EvictionCache(model, policy, protocol="context", interval=Interval(8)), "drop them"),
         (lambda: EvictionCache(model, make_policy("full", 1.0), decoding="interval"), "protocol=prefill or context"),
     ]
@@ -275,3 +315,115 @@ def test_a_run_under_decoding_interval_names_its_settings_and_records_the_genera
     record = run(make_config(data_dir, tmp_path, **settings, **interval), tmp_path)
     assert record["generation"]["generated_tokens_mean"] > 4
     assert results.record_identity(record) == validate(make_config(data_dir, tmp_path, **settings, **interval)).identity
+
+
+@torch.no_grad()
+def test_observed_attention_scores_what_is_held_by_the_compressing_forwards_eager_weights(tiny):
+    """Independent path: the model's own eager attention weights of a forward of several rows (output_attentions),
+    summed over its rows, divided by n, n - 1, ..., 1 and averaged over each KV head's query heads, as kvpress's
+    ObservedAttentionPress scores them in its DecodingPress, equal the scores rebuilt from that forward's attention
+    input, for every KV head and for a subset."""
+    from h2o_eval.policies.inputs import Prompt
+
+    model, _ = tiny
+    ids, layer = prompt_ids(), 1
+    attention = model.model.layers[layer].self_attn
+    inputs = []
+    hook = attention.register_forward_pre_hook(lambda m, a, kw: inputs.append(kw["hidden_states"]), with_kwargs=True)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        cache = DynamicCache()
+        model(ids[:, :-5], cache=cache)
+        weights = model(ids[:, -5:], cache=cache, output_attentions=True).attentions[layer]  # [1, Hq, 5, T]
+    finally:
+        model.set_attn_implementation(previous)
+        hook.remove()
+    kv_heads, length = model.config.num_key_value_heads, PROMPT
+    expected = (weights.sum(2) / torch.arange(length, 0, -1)).view(1, kv_heads, -1, length).mean(2)
+    keys, values = cache.layers[layer].keys, cache.layers[layer].values
+
+    def rotary(at):
+        cos, sin = model.model.rotary_emb(keys, at.view(1, -1))
+        return cos[0], sin[0]
+
+    for heads in (torch.arange(kv_heads), torch.tensor([kv_heads - 1])):
+        held = Prompt(
+            module=attention, layer=layer, query=keys.new_zeros(1, model.config.num_attention_heads, 0, keys.shape[-1]),
+            key=keys[:, heads], value=values[:, heads], position=torch.arange(length).view(1, -1),
+            real=torch.ones(1, length, dtype=torch.bool), capacity=torch.full((1, len(heads)), 8),
+            hidden_states=inputs[-1], rotary=rotary, scaling=attention.scaling,
+        )  # fmt: skip
+        found = make_policy("observed_attention", 1.0).held_scores(held, heads)
+        torch.testing.assert_close(found, expected[:, heads], rtol=1e-5, atol=1e-6)
+
+
+def adakv_reference(model, ids, alpha=0.2):
+    """Greedy tokens and logits of a full DynamicCache whose (layer, KV head) pairs stop attending to the tokens an
+    Ada-KV compression of key norms drops every EVERY decode tokens: each head's floor(alpha * TARGET) best it still
+    attends to first, then the layer's best (score, position, head) until the heads attend to Hkv * TARGET; and the
+    positions each pair attends to at the end."""
+    from transformers import AttentionInterface
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    alive = [torch.ones(kv_heads, PROMPT, dtype=torch.bool) for _ in range(layers)]
+
+    def masked(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        assert query.shape[2] == 1  # one token: every held key is visible but the dropped
+        seen = alive[module.layer_idx]
+        group = query.shape[1] // kv_heads
+        mask = torch.zeros(1, query.shape[1], 1, key.shape[2])
+        mask[0, :, 0, : seen.shape[1]] = torch.where(seen, 0.0, float("-inf")).repeat_interleave(group, dim=0)
+        return eager_attention_forward(module, query, key, value, mask, scaling, dropout)
+
+    AttentionInterface.register("adakv_reference", masked)
+    previous = model.config._attn_implementation
+    cache = DynamicCache()
+    logits = [model(ids, cache=cache).logits[0, -1]]
+    model.set_attn_implementation("adakv_reference")
+    try:
+        for step in range(NEW - 1):
+            token = logits[-1].argmax().view(1, 1)
+            for index in range(layers):
+                alive[index] = torch.cat([alive[index], torch.ones(kv_heads, 1, dtype=torch.bool)], dim=1)
+            logits.append(model(token, cache=cache, position_ids=torch.tensor([[PROMPT + step]])).logits[0, -1])
+            if (step + 1) % EVERY or step == NEW - 2:  # h2o_eval compresses before the next forward: none comes
+                continue
+            for index, layer in enumerate(cache.layers):
+                scores = (-layer.keys[0].norm(dim=-1)).tolist()  # [Hkv][T]
+                candidates = [
+                    (scores[head][at], at, head) for head in range(kv_heads) for at in range(len(scores[head]))
+                    if alive[index][head, at]
+                ]  # fmt: skip
+                candidates.sort(reverse=True)
+                kept = set()
+                for head in range(kv_heads):
+                    kept |= set([c for c in candidates if c[2] == head][: int(alpha * TARGET)])
+                kept |= set([c for c in candidates if c not in kept][: kv_heads * TARGET - len(kept)])
+                alive[index] = torch.zeros_like(alive[index])
+                for _, at, head in kept:
+                    alive[index][head, at] = True
+    finally:
+        model.set_attn_implementation(previous)
+    logits = torch.stack(logits)
+    ends = [[torch.where(seen[head])[0].tolist() for head in range(kv_heads)] for seen in alive]
+    return logits.argmax(-1), logits, ends
+
+
+@torch.no_grad()
+def test_adakv_interval_compressions_equal_a_cache_that_masks_what_they_drop(tiny):
+    """``adakv`` over ``knorm`` as the decoding policy: four compressions in 20 decode tokens, each sharing the
+    layer's Hkv * TARGET slots over what its heads hold (each guaranteed floor(0.2 * TARGET)). The same tokens and
+    logits as a full cache whose heads stop attending to what the compressions drop, the same tokens held by each
+    (layer, KV head) at the end, and heads that hold different numbers of tokens."""
+    model, _ = tiny
+    tokens, logits, ends = adakv_reference(model, prompt_ids())
+    mine, my_logits, cache = interval_run(model, prompt_ids(), make_policy("adakv", 1.0, base="knorm"))
+    assert torch.equal(mine, tokens)
+    torch.testing.assert_close(my_logits, logits, rtol=0, atol=1e-4)
+    held = [
+        [sorted(layer.position[0][head][layer.held[0, head]].tolist()) for head in range(2)] for layer in cache.layers
+    ]
+    assert held == ends
+    assert len({len(head) for layer in held for head in layer}) > 1

@@ -16,7 +16,9 @@ class AdaKV(Wrapper):
     together; each head is guaranteed its protected tokens and its floor(alpha * C) best (the safeguard), as
     kvpress's AdaKVPress does. Heads then hold different numbers of tokens. Everything else (scores, layout,
     what happens after the prompt) is the ``base`` policy's, which may be any policy whose scores rank tokens
-    per KV head (:meth:`Wrapper.refusal`). Prefill and context protocols only.
+    per KV head (:meth:`Wrapper.refusal`). Prefill and context protocols only. As the decoding policy of
+    ``decoding=interval``, every interval compression shares the layer's Hkv * target slots the same way over what
+    the heads hold; kvpress's DecodingPress over AdaKVPress masks its keys instead (docs/policies.md).
 
     Args:
         base: the scoring policy (a :class:`Policy`; ``make_policy("adakv", base="snapkv", window=16)`` builds
@@ -28,6 +30,7 @@ class AdaKV(Wrapper):
     name: ClassVar[str] = "adakv"
     default_base_name: ClassVar[str] = "snapkv"
     example: ClassVar[dict[str, Any]] = {"window": 4}
+    interval_ready: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -214,8 +214,9 @@ class Policy:
     # Parameters (besides the budget) under which the generic test suites run the policy on tiny models and short
     # sequences; every registered policy takes part in every suite its protocols allow.
     example: ClassVar[dict[str, Any]] = {}
-    # Whether :meth:`compression_scores` reads only the prompt's keys, values and real tokens, so that it can score
-    # what a cache holds later, as an interval compression does (``decoding=interval``; kvpress's DecodingPress).
+    # Whether the policy scores what a cache holds later (:meth:`held_scores`: by default its compression scores,
+    # which then read only the prompt's keys, values and real tokens), as an interval compression does
+    # (``decoding=interval``; kvpress's DecodingPress).
     scores_held: ClassVar[bool] = False
     # For such a policy, the forwards whose attention inputs :meth:`held_scores` reads (kvpress's DecodingPress keeps
     # the hidden states of the last 256); 0: none.
@@ -272,6 +273,25 @@ class Policy:
         forwards, and ``query``, no rows of every query head), as an interval compression scores them
         (``scores_held``); by default the prompt's compression scores."""
         return self.compression_scores(held, torch.zeros(held.key.shape[:-1]), held.real.new_zeros(1, 1, 1))
+
+    def rescore_held(
+        self,
+        scores: torch.Tensor,
+        protected: torch.Tensor,
+        values: torch.Tensor,
+        held: torch.Tensor,
+        capacity: torch.Tensor,
+        module: torch.nn.Module | None,
+    ) -> torch.Tensor:
+        """The scores [B, Hkv, S] an interval compression keeps a layer's slots by, from its scorer's ``scores``
+        (pooled; ``protected`` [B, Hkv, S] marks the tokens kept whatever their score), the slots' ``values``
+        [B, Hkv, S, D] and ``held`` mask, the target ``capacity`` [B, Hkv] and the attention module: by default the
+        scores as they are."""
+        return scores
+
+    def at_budget(self, budget: float | int) -> Policy:
+        """This policy at another budget."""
+        return dataclasses.replace(self, budget=budget)
 
     def passes(self, script: Script) -> list[list[list[int]]]:
         """Extra passes fed after the prompt and before its compression, whose keys and values are dropped again:
@@ -457,7 +477,7 @@ class Interval:
         target = self.target(seen)
         if policy.scores_held:
             return Plan(capacity=target, recent=0, sinks=0)
-        plan = dataclasses.replace(policy, budget=target).plan(target, layer, num_layers)
+        plan = policy.at_budget(target).plan(target, layer, num_layers)
         return Plan(capacity=target, recent=min(plan.recent, target), sinks=min(plan.sinks, target))
 
     def target(self, seen: int) -> int:
@@ -476,18 +496,23 @@ class Interval:
 
 
 def refuse_interval_policy(policy: Policy) -> None:
-    """Refuse a policy whose scores an interval compression cannot make: it scores only by key scores and by the
-    attention of the queries fed since the last compression."""
+    """Refuse a policy whose scores an interval compression cannot make: it scores only by key scores, by the
+    attention of the queries fed since the last compression and by what is held (``scores_held``); a wrapper
+    only if it declares it can (``interval_ready``: ``adakv``, ``criticalkv``) and over such a base."""
     if any(field.name == "base" for field in fields(policy)):
-        raise ConfigError(
-            f"decoding=interval: policy {policy.name!r} wraps a base policy, whose layout an interval compression "
-            "does not share out: use its base (e.g. snapkv, knorm) as the decoding policy"
-        )
+        if not getattr(policy, "interval_ready", False):
+            raise ConfigError(
+                f"decoding=interval: policy {policy.name!r} wraps a base policy in a way an interval compression "
+                "does not make: use its base (e.g. snapkv, knorm), or adakv or criticalkv over it"
+            )
+        refuse_interval_policy(policy.base)
+        return
     if policy.rescores and not policy.scores_held or policy.rehearses or not policy.has_cache:
         raise ConfigError(
             f"decoding=interval: policy {policy.name!r} scores a prompt by its own pass over it, which an interval "
             "compression has not: use a policy scored by key scores, attention votes or the held keys and values "
-            "(knorm, snapkv, h2o, tova, keydiff, cur, lagkv, expected_attention, random, streaming)"
+            "(knorm, snapkv, h2o, tova, keydiff, cur, lagkv, expected_attention, observed_attention, random, "
+            "streaming)"
         )
 
 

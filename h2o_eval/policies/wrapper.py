@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,6 +27,9 @@ class Wrapper(Policy):
     # The budget make_policy builds the base at whatever budget it is given (None: that budget): ``dms``'s 1.0, as
     # a threshold decides what stays and a scorer press in kvpress's DMSPress keeps its compression ratio of 0.
     base_budget: ClassVar[float | None] = None
+    # Whether the wrapper can be the decoding policy of ``decoding=interval`` over a base that can: its base scores
+    # what is held, and the wrapper changes how the scores fill the target (:meth:`rescore_held`, the rule).
+    interval_ready: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.base is None:
@@ -84,6 +88,31 @@ class Wrapper(Policy):
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor | None:
         return self.base.compression_scores(prompt, scores, protected)
+
+    @property
+    def scores_held(self) -> bool:
+        return self.base.scores_held
+
+    @property
+    def held_forwards(self) -> int:
+        return self.base.held_forwards
+
+    def held_scores(self, held: Prompt, heads: torch.Tensor) -> torch.Tensor:
+        return self.base.held_scores(held, heads)
+
+    def rescore_held(
+        self,
+        scores: torch.Tensor,
+        protected: torch.Tensor,
+        values: torch.Tensor,
+        held: torch.Tensor,
+        capacity: torch.Tensor,
+        module: torch.nn.Module | None,
+    ) -> torch.Tensor:
+        return self.base.rescore_held(scores, protected, values, held, capacity, module)
+
+    def at_budget(self, budget: float | int) -> Policy:
+        return dataclasses.replace(self, base=self.base.at_budget(self.budget_of_base(budget)))
 
     @property
     def positional(self) -> bool:
