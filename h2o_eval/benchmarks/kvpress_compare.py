@@ -53,6 +53,9 @@ answer, so that ``--new-tokens`` past 2 x 8 sees two compressions; ``heads equal
 compression only. kvpress keeps a compressed cache in ``torch.topk``'s order (by score), and SnapKV pools its
 scores along the cache's order: the decoding presses run three ways, ``topk`` (kvpress as it is), ``ordered``
 (topk's choice, kept in position order) and ``newest`` (ties towards the newest token, in position order).
+AdaKVPress in DecodingPress (``decoding_adakv``, over Knorm; ``decoding_adakv_keydiff``) does not evict: it masks
+what it drops with fake keys written into its cache, which compete again at its next compression, while h2o_eval's
+``adakv`` evicts them.
 """
 
 from __future__ import annotations
@@ -183,6 +186,19 @@ PRESSES: dict[str, Press] = {
                                   decoding="size", ties=True)
         for name, scorer in (("knorm", "KnormPress"), ("keydiff", "KeyDiffPress"), ("cur", "CURPress"),
                              ("lagkv", "LagKVPress"), ("expected_attention", "ExpectedAttentionPress"))
+    },
+    "decoding_observed_attention": Press(
+        "observed_attention", {}, lambda kv, r: kv.ObservedAttentionPress(compression_ratio=r), eager=True,
+        decoding="size", ties=True,
+    ),
+    "decoding_criticalkv": Press(
+        "criticalkv", {"base": "keydiff"}, lambda kv, r: kv.CriticalKVPress(kv.KeyDiffPress(compression_ratio=r)),
+        decoding="size", ties=True,
+    ),
+    **{  # DecodingPress over AdaKVPress, which masks what it drops (its fake keys have the largest norms)
+        f"decoding_adakv{suffix}": Press("adakv", {"base": base}, lambda kv, r, scorer=scorer: kv.AdaKVPress(
+            getattr(kv, scorer)(compression_ratio=r)), decoding="size", ties=True)
+        for suffix, base, scorer in (("", "knorm", "KnormPress"), ("_keydiff", "keydiff", "KeyDiffPress"))
     },
     **{  # CompressionRatioDecodingPress and PrefillDecodingPress over Knorm and SnapKV
         f"{mode}_decoding_{name}": Press(name, params, make, decoding=mode, ties=True)
