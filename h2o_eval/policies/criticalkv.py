@@ -65,7 +65,7 @@ class CriticalKV(Wrapper):
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         base = self.base.compression_scores(prompt, scores, protected)
-        base = (self.meant(scores, prompt.group) if base is None else base).float()
+        base = (self.averaged(scores, prompt.group) if base is None else base).float()
         norms = prompt.once(
             "projected_value_norm", lambda: projected_value_norm(prompt.value, prompt.output_projection(), prompt.group)
         )
@@ -86,10 +86,10 @@ class CriticalKV(Wrapper):
         heads, dim = module.config.num_attention_heads, values.shape[-1]
         group = heads // values.shape[1]
         norms = projected_value_norm(values, output_projection(module, heads, dim), group)
-        base = scores if self.base.scores_held else self.meant(scores, group)
+        base = scores if self.base.scores_held else self.averaged(scores, group)
         return self.two_stages(base.float(), norms, held, protected, capacity)
 
-    def meant(self, votes: torch.Tensor, group: int) -> torch.Tensor:
+    def averaged(self, votes: torch.Tensor, group: int) -> torch.Tensor:
         """The base's scores from its pooled ``votes``: a window's averaged over its rows and the KV head's
         ``group`` query heads, as kvpress's SnapKV means them; others as they are."""
         if self.base.rule.votes == Votes.WINDOW:
