@@ -7,13 +7,13 @@ one thread, and the generation's tokens/s; docs/costs.md's "Seconds per document
 Each setting is one ``python -m h2o_eval`` run (the real runner, record and all) on a few documents, in a
 temporary results folder; the model's load (and a GGUF's one-time conversion) is not counted (``load_seconds``).
 
-``--leaderboard`` estimates, from records, what kvpress's protocol (one question per context) costs on all of
-RULER's thirteen tasks: a task's cells cost ``D * c + Q * q`` for D contexts and Q questions. A task with records
-of both protocols (``SHARED``: several questions per context, ``ONE``: one) gives its own context cost c and
-question cost q; a task with shared records only takes the mean c of those and its own q; a task that asks one
-question per context in both is its own measure. The records may hold fewer cells than the preset sweeps: the
-last row scales each task to ``+experiment=kv_leaderboard``'s cells, each missing cell at the mean cost of the
-task's measured ones.
+``--leaderboard`` estimates, from records, what ``+experiment=kv_leaderboard`` (kvpress's protocol: one question per
+context) costs on all of RULER's thirteen tasks. It reads the records of the preset's cells alone (its policies at
+its budgets, and the full cache), each at its task's mean: a cell of a task costs ``D * c + Q * q`` for D contexts
+and Q questions. A task with records of both protocols (``SHARED``: several questions per context, ``ONE``: one)
+gives its own context cost c and question cost q; a task with shared records only takes the mean c of those and its
+own q; a task that asks one question per context in both is its own measure. Each task then counts the preset's
+cells, those its records lack at the mean cost of those they hold.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import argparse
 import math
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 # (label, overrides, unit): the task families at the lengths the docs' examples use.
@@ -70,49 +69,42 @@ def measure(model: str, overrides: list[str], data_dir: Path, results: Path) -> 
     return run(config)
 
 
-def task_costs(folder: Path, model: str) -> dict[str, tuple[float, int, int]]:
-    """Per long-context task of ``model`` in ``folder``: the summed ``wall_seconds`` of its cells, and the contexts
-    and questions one cell answered (each cell of a task answers the same ones)."""
+def task_costs(folder: Path, model: str, cells: set[tuple[str, float]]) -> dict[str, tuple[float, int, int]]:
+    """Per long-context task of ``model`` in ``folder``: the mean ``wall_seconds`` of its records of the (policy,
+    budget) ``cells``, and the contexts and questions a cell answered (each cell of a task answers the same ones)."""
     from h2o_eval.results import load_records
 
-    found: dict[str, tuple[float, int, int]] = {}
+    found: dict[str, list[tuple[float, int, int]]] = {}
     for record in load_records(folder):
         if record["model"] != model or "n_documents" not in record:
             continue
-        seconds, _, _ = found.get(record["task"], (0.0, 0, 0))
-        found[record["task"]] = (seconds + record["wall_seconds"], record["n_documents"], record["n_questions"])
-    return found
+        if (record["policy"], record["budget"]) not in cells:
+            continue
+        found.setdefault(record["task"], []).append(
+            (record["wall_seconds"], record["n_documents"], record["n_questions"])
+        )
+    return {task: (sum(s for s, _, _ in held) / len(held), *held[0][1:]) for task, held in found.items()}
 
 
-def preset_cells(preset: str = "kv_leaderboard") -> tuple[int, int, int]:
-    """The policies and ratios a leaderboard preset sweeps, and its cells per task: the full cache is one cell at
-    every ratio (one record), every other policy one per ratio."""
+def preset_cells(preset: str = "kv_leaderboard") -> tuple[list[str], list[float], set[tuple[str, float]]]:
+    """The policies and budgets a leaderboard preset sweeps, and its (policy, budget) cells: the full cache is one
+    cell at every ratio (one record at budget 1.0), every other policy one per budget."""
     from h2o_eval.conf import options
 
     params = options("experiment")[preset]["hydra"]["sweeper"]["params"]
-    policies, budgets = str(params["policy"]).split(","), str(params["budget"]).split(",")
-    full = "full" in policies
-    return len(policies), len(budgets), (len(policies) - full) * len(budgets) + full
+    policies, budgets = str(params["policy"]).split(","), [float(b) for b in str(params["budget"]).split(",")]
+    cells = {(policy, budget) for policy in policies if policy != "full" for budget in budgets}
+    return policies, budgets, cells | ({("full", 1.0)} if "full" in policies else set())
 
 
-def scaled_to_cells(rows: list[tuple[str, str, float]], shared: Path, one: Path, model: str, cells: int) -> float:
-    """The seconds of :func:`leaderboard_estimate`'s ``rows`` with each task at ``cells`` cells: its estimate
-    times ``cells`` over the cells its records hold (those of ONE where it has any, else of SHARED)."""
-    from h2o_eval.results import load_records
-
-    def counted(folder: Path) -> Counter[str]:
-        return Counter(r["task"] for r in load_records(folder) if r["model"] == model and "n_documents" in r)
-
-    many, single = counted(shared), counted(one)
-    return sum(seconds * cells / (single[task] or many[task]) for task, _, seconds in rows if not math.isnan(seconds))
-
-
-def leaderboard_estimate(shared: Path, one: Path, model: str, documents: int) -> list[tuple[str, str, float]]:
-    """Per RULER task, how its one-question cost was found and the seconds its cells would take on ``documents``
-    contexts of one question each (see the module)."""
+def leaderboard_estimate(
+    shared: Path, one: Path, model: str, documents: int, cells: set[tuple[str, float]]
+) -> list[tuple[str, str, float]]:
+    """Per RULER task, how its one-question cost was found and the seconds one of its ``cells`` would take on
+    ``documents`` contexts of one question each (see the module)."""
     from h2o_eval.reports.headline import RULER_TASKS
 
-    many, single = task_costs(shared, model), task_costs(one, model)
+    many, single = task_costs(shared, model, cells), task_costs(one, model, cells)
     split = {}  # task -> (c, q) from both protocols: D4 c + Q4 q = T4 and D1 c + Q1 q = T1
     for task in many.keys() & single.keys():
         (t4, d4, q4), (t1, d1, q1) = many[task], single[task]
@@ -152,15 +144,16 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=40)
     args = parser.parse_args()
     if args.leaderboard:
-        rows = leaderboard_estimate(*args.leaderboard, args.model, args.documents)
-        print(f"| task | measured from | estimated CPU hours ({args.documents} contexts, every cell) |")
-        print("|---|---|---:|")
+        policies, budgets, cells = preset_cells()
+        rows = leaderboard_estimate(*args.leaderboard, args.model, args.documents, cells)
+        print(f"kv_leaderboard: {len(policies)} policies x {len(budgets)} ratios, {len(cells)} cells per task, "
+              f"{args.documents} contexts each")  # fmt: skip
+        print("| task | measured from | CPU seconds per cell | estimated CPU hours |")
+        print("|---|---|---:|---:|")
         for task, source, seconds in rows:
-            print(f"| {task} | {source} | {seconds / 3600:.1f} |")
-        print(f"| all {len(rows)} | | {sum(seconds for *_, seconds in rows) / 3600:.1f} |")
-        policies, ratios, cells = preset_cells()
-        hours = scaled_to_cells(rows, *args.leaderboard, args.model, cells) / 3600
-        print(f"| kv_leaderboard: {policies} policies x {ratios} ratios, {cells} cells per task | | {hours:.1f} |")
+            print(f"| {task} | {source} | {seconds:.0f} | {seconds * len(cells) / 3600:.1f} |")
+        total = sum(seconds for *_, seconds in rows if not math.isnan(seconds)) * len(cells) / 3600
+        print(f"| all {len(rows)} | | | {total:.1f} |")
         return
     if args.data_dir is None:
         parser.error("give --data-dir (the settings' runs) or --leaderboard SHARED ONE (an estimate from records)")
