@@ -76,7 +76,7 @@ from typing import Any
 import torch
 import yaml
 
-from h2o_eval.benchmarks.kvpress_presses import PRESSES, Press, layer_ratios
+from h2o_eval.benchmarks._kvpress_presses import PRESSES, Press, layer_ratios
 
 SEED = 42  # kvpress's evaluation seed, and the default seed of the policies with random sketches
 INTERVAL = 8  # the decoding presses' compression_interval (kvpress's default is 512: the cases generate past 8)
