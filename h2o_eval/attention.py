@@ -127,6 +127,17 @@ def rotary_function(model: torch.nn.Module) -> Callable[[int, torch.Tensor], tup
     return cos_sin
 
 
+def host_bound_rotary(model: torch.nn.Module) -> str | None:
+    """Why a decode step of ``model`` cannot be captured as a CUDA graph, or None: a dynamic rotary embedding
+    (transformers' ``dynamic`` RoPE types) compares the positions with its cached length on the host every forward."""
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    kinds = getattr(rotary, "rope_type", None)
+    kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+    if any(isinstance(kind, str) and "dynamic" in kind for kind in kinds):
+        return "its dynamic rotary embedding reads the positions on the host"
+    return None
+
+
 def plain_attention(module, query, key, value, attention_mask, scaling) -> torch.Tensor:
     """The model's own SDPA attention [B, Hq, n, D]: what a cache that evicts nothing computes. The backend always
     materialises the mask (padding must reach it); a square boolean mask whose last row sees every key has no

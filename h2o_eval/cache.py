@@ -25,13 +25,22 @@ from collections.abc import Iterator
 import torch
 from transformers.cache_utils import Cache
 
-from h2o_eval.attention import check_supported, install, kv_head_count, layer_windows, rotary_function
+from h2o_eval.attention import (
+    check_supported,
+    check_window,
+    host_bound_rotary,
+    install,
+    kv_head_count,
+    layer_windows,
+    rotary_function,
+)
 from h2o_eval.context import LayerContext, Sequences, plan_tensors
 from h2o_eval.errors import ConfigError
-from h2o_eval.graphs import DecodeGraphs
+from h2o_eval.graphs import CudaGraph, DecodeGraphs, RecordedGraph
 from h2o_eval.graphs import install as install_graphs
 from h2o_eval.implementation import choose
 from h2o_eval.interval import between
+from h2o_eval.kernels.reference import CONSTANTS
 from h2o_eval.layer import EvictionLayer
 from h2o_eval.policies import Full, Interval, Policy, Rule, check_decoding, check_protocol
 from h2o_eval.policies.base import refuse_interval_policy
@@ -90,7 +99,7 @@ class EvictionCache(Cache):
         kernels: str = "auto",
         one_forward: bool = False,
         decoding: str = "evict",
-        graphs: bool = True,
+        graphs: bool | str = True,
         interval: Interval | None = None,
     ) -> None:
         check_supported(model)
@@ -135,10 +144,17 @@ class EvictionCache(Cache):
         self._peak_entries = 0
         super().__init__(layers=[EvictionLayer(self.context, self.shared, i, w) for i, w in enumerate(windows)])
         install(model)
-        # Decode steps captured as CUDA graphs and replayed (h2o_eval.graphs), where they apply.
+        # Decode steps captured as CUDA graphs (or their emulation) and replayed (h2o_eval.graphs), where they apply.
         self.graphs: DecodeGraphs | None = None
-        if graphs and device.type == "cuda" and not one_forward:
-            self.graphs = DecodeGraphs(self)
+        graph = {True: CudaGraph if device.type == "cuda" else None, False: None, "emulate": RecordedGraph}
+        if graphs not in graph:
+            raise ConfigError(f"graphs={graphs!r}: use true, false or emulate")
+        if graphs == "emulate" and self.context.implementation.triton and device.type != "cuda":
+            raise ConfigError(
+                "graphs=emulate replays aten operations, and Triton's interpreter runs none: use kernels=auto"
+            )
+        if graph[graphs] is not None and not one_forward and host_bound_rotary(model) is None:
+            self.graphs = DecodeGraphs(graph[graphs])
             install_graphs(model)
 
     # -- what the layers share, as the runners read it ------------------------------------------------------------
@@ -190,8 +206,9 @@ class EvictionCache(Cache):
         """Raise what decode steps noted on the device (a padding token after the prompt; a full cache whose every
         held token was protected): called where the cache is read or fed a chunk, so no decode step waits for the
         device."""
-        real, self.shared.real = self.shared.real, None
+        real = self.shared.real
         if real is not None and not bool(real.all()):
+            real.fill_(True)
             raise RuntimeError("a padding token after the prompt: EvictionCache takes padding only in the first chunk")
         for layer in self.layers:
             for fault in layer.faults():
@@ -247,6 +264,7 @@ class EvictionCache(Cache):
     def _copy(self, context: LayerContext, shared: Sequences) -> EvictionCache:
         clone = copy.copy(self)
         clone.context, clone.shared, clone._peak_entries = context, shared, 0
+        clone.graphs = None if self.graphs is None else self.graphs.fresh()  # a copy replays captures of its own
         return clone
 
     def fork(self, rows: list[int]) -> EvictionCache:
@@ -328,8 +346,10 @@ class EvictionCache(Cache):
         )
 
     def prepare_decode(self) -> None:
-        """Before a decode step, on the host: every layer compressed if ``decoding=interval`` says so, and its buffers
-        wide enough for one more token."""
+        """Before a decode step, on the host: what the step would refuse eagerly (a model whose every layer slides,
+        outgrown), every layer compressed if ``decoding=interval`` says so, and its buffers wide enough for one more
+        token."""
+        check_window(self.context.window, self.shared.longest + 1)
         for layer in self.layers:
             between(layer)
             layer.prepare_decode()
@@ -339,6 +359,28 @@ class EvictionCache(Cache):
         shared = self.shared
         own = tuple(None if t is None else t.data_ptr() for t in (shared.last, shared.real))
         return own + tuple(layer.buffers() for layer in self.layers)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache keeps that a decode step may read or write: what a captured step may read without
+        owning it (:class:`~h2o_eval.graphs.RecordedGraph`)."""
+        layers = (tensor for layer in self.layers for tensor in layer.tensors())
+        return [*self.shared.tensors(), *layers, *CONSTANTS.values()]
+
+    def host_state(self) -> list[tuple[object, dict]]:
+        """The host's state of the cache (its sequences' and layers' counts), to restore after a capture that raised
+        (:meth:`restore_host_state`)."""
+        parts = [self.shared, *self.layers, *(layer.steps for layer in self.layers)]
+        own = (dict, list)  # what a step may change in place on the host; tensors are the device's, left as they are
+        return [
+            (part, {name: copy.copy(v) if isinstance(v, own) else v for name, v in vars(part).items()})
+            for part in parts
+        ]
+
+    @staticmethod
+    def restore_host_state(state: list[tuple[object, dict]]) -> None:
+        for part, saved in state:
+            vars(part).clear()
+            vars(part).update(saved)
 
     def advance(self) -> None:
         """The host's counts after a replayed decode step, as the step's own code moves them."""

@@ -80,7 +80,7 @@ class Sequences:
         self.deferred = deferred
         self.rehearsing: int | None = None
         self.script: Script | None = None
-        self.real: torch.Tensor | None = None  # [B] bool: every decode token so far was real (no padding)
+        self.real: torch.Tensor | None = None  # [B] bool: every token after the first chunk was real (no padding)
         self._limits: dict[int, torch.Tensor] = {}
         self._plans: dict[tuple, torch.Tensor] = {}
 
@@ -91,12 +91,11 @@ class Sequences:
             self.last = torch.full((arriving.shape[0], 1, 1), -1, dtype=torch.int64, device=arriving.device)
         if decode:
             self.last.add_(1)
-            if self.real is None:
-                self.real = arriving[:, -1].clone()
-            else:
-                self.real.logical_and_(arriving[:, -1])
+            self.real.logical_and_(arriving[:, -1])
             self.advance()
             return
+        if self.real is None:
+            self.real = torch.ones(arriving.shape[0], dtype=torch.bool, device=arriving.device)
         self._limits = {}
         self.columns += arriving.shape[1]
         self.starts = self.last
@@ -105,14 +104,18 @@ class Sequences:
 
     def note_padding(self, arriving: torch.Tensor) -> None:
         """Note a padding token after the prompt, as a decode step would (a sliding layer's later chunks)."""
-        real = arriving.all(-1)
-        self.real = real if self.real is None else self.real & real
+        self.real.logical_and_(arriving.all(-1))
 
     def advance(self) -> None:
         """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
         self._limits = {}
         self.columns += 1
         self.longest += 1
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors these counts keep on the device (what a captured decode step reads: :mod:`h2o_eval.graphs`)."""
+        kept = [self.last, self.starts, self.real, *self._plans.values()]
+        return [tensor for tensor in kept if tensor is not None]
 
     def positions(self, arriving: torch.Tensor) -> torch.Tensor:
         """[B, n] each arriving column's position in its sequence (a padding column takes its neighbour's)."""

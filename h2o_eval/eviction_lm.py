@@ -60,7 +60,7 @@ class EvictionLM(HFLM):
     """
 
     def __init__(
-        self, *, session: Session, kernels: str = "auto", graphs: bool = True, task: Any = None, **kwargs: Any
+        self, *, session: Session, kernels: str = "auto", graphs: bool | str = True, task: Any = None, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.session, self.kernels, self.graphs, self.task = session, kernels, graphs, task
@@ -88,7 +88,7 @@ class EvictionLM(HFLM):
         budget: float | int = 0.2,
         protocol: str = "simulate",
         kernels: str = "auto",
-        graphs: bool = True,
+        graphs: bool | str = True,
         device: str = "auto",
         dtype: str = "auto",
         batch_size: int | str = 1,
@@ -98,7 +98,8 @@ class EvictionLM(HFLM):
         """The model ``pretrained`` (registry name, HF id or local path) patched with ``policy`` at ``budget``
         for as long as the returned object lives; ``params`` override the policy's own settings
         (``conf/policy/<policy>.yaml``), e.g. ``heavy_ratio``; ``graphs=false`` decodes ``generate_until``
-        requests eagerly (:mod:`h2o_eval.graphs`). Every setting is checked before the weights load
+        requests eagerly, ``graphs=emulate`` replays them with a CUDA graph's rules on any device
+        (:mod:`h2o_eval.graphs`). Every setting is checked before the weights load
         (:func:`check_settings`)."""
         from h2o_eval.models import load_model
 
@@ -229,7 +230,7 @@ def check_settings(
     budget: float | int = 0.2,
     protocol: str = "simulate",
     kernels: str = "auto",
-    graphs: bool = True,
+    graphs: bool | str = True,
     device: str = "auto",
     dtype: str = "auto",
     batch_size: int | str = 1,
@@ -254,8 +255,8 @@ def check_settings(
         )
     built = make_policy(policy, budget, **(policy_settings(policy) | params))
     check_protocol(built, protocol, kernels)
-    if not isinstance(graphs, bool):
-        raise ConfigError(f"graphs={graphs!r}: use true or false")
+    if graphs not in (True, False, "emulate"):
+        raise ConfigError(f"graphs={graphs!r}: use true, false or emulate")
     if not str(batch_size).isdigit() or int(batch_size) < 1:
         raise ConfigError(f"--batch_size {batch_size}: use a number >= 1 (eviction needs each batch's layout)")
     if str(device).startswith("cuda") and not torch.cuda.is_available():

@@ -246,6 +246,13 @@ class EvictionLayer(CacheLayerMixin):
             self.moved = True
             self.ahead_left -= 1
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this layer keeps on the device: what a captured decode step may read (h2o_eval.graphs)."""
+        kept = [self.fill, self.count, self.ahead, self.ahead_base, self.worst, self.kept, self.rehearsed]
+        kept += [] if self.plan is None else list(self.plan.values())
+        kept += [] if self.slots is None else list(self.slots.tensors())
+        return [tensor for tensor in kept if tensor is not None]
+
     def buffers(self) -> tuple:
         """What a captured decode step of this layer reads and writes, by address: a step captured for other
         buffers does not fit these."""

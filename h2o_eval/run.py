@@ -79,9 +79,10 @@ def validate(config: dict[str, Any]) -> Spec:
     if not _is_int(config["batch_size"]) or config["batch_size"] < 1:
         raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
     stack = config["stack_cells"]
-    for flag in ("stack_cells", "graphs"):
-        if not isinstance(config[flag], bool):
-            raise ConfigError(f"{flag}={config[flag]!r}: use true or false")
+    if not isinstance(config["stack_cells"], bool):
+        raise ConfigError(f"stack_cells={config['stack_cells']!r}: use true or false")
+    if config["graphs"] not in (True, False, "emulate"):
+        raise ConfigError(f"graphs={config['graphs']!r}: use true, false or emulate")
     protocol = config["protocol"] or runner.default_protocol(task)
     if stack and (runner.name != "long_context" or protocol != "context" or config["decoding"] != "grow"):
         raise ConfigError(

@@ -6,8 +6,6 @@ The third kernel, ``eviction_scan``, has the mechanism's own definition as its r
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 
@@ -223,15 +221,24 @@ def column_sums_reference(
     return columns
 
 
-@functools.lru_cache
+# The constants the decode attention reads, made once per value and device and kept for good: a decode step captured
+# as a CUDA graph reads them by address (h2o_eval.graphs).
+CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
 def _constant(value: float, device: torch.device) -> torch.Tensor:
     """A float32 scalar on ``device``, made once: ``torch.where`` with a Python number would make it every call."""
-    return torch.tensor(value, device=device)
+    key = ("scalar", value, str(device))
+    if key not in CONSTANTS:
+        CONSTANTS[key] = torch.tensor(value, device=device)
+    return CONSTANTS[key]
 
 
-@functools.lru_cache
 def _ones(count: int, device: torch.device) -> torch.Tensor:
-    return torch.ones(1, 1, count, device=device)
+    key = ("ones", count, str(device))
+    if key not in CONSTANTS:
+        CONSTANTS[key] = torch.ones(1, 1, count, device=device)
+    return CONSTANTS[key]
 
 
 def decode_attention_reference(

@@ -149,6 +149,7 @@ def test_the_model_list_leaves_out_the_random_test_models_that_still_run_when_na
             ("num_fewshot=-1", "num_fewshot=-1: use an integer >= 0"),
             ("protocol=stream", "protocol='stream': use one of simulate, prefill"),
             ("data_dir=nowhere", "nowhere/copa/validation.jsonl: put it there or change data_dir="),
+            ("graphs=maybe", "graphs='maybe': use true, false or emulate"),
         ],
         lambda case: case[0] == "budget=1.5",
     ),

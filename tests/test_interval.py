@@ -13,7 +13,6 @@ from transformers import DynamicCache
 
 from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.errors import ConfigError
-from h2o_eval.graphs import DecodeGraphs, RecordedGraph, install
 from h2o_eval.policies import Interval
 
 PROMPT, NEW, EVERY, TARGET = 24, 21, 4, 10
@@ -183,10 +182,10 @@ def reference(model, ids, score):
 
 def interval_run(model, ids, decoding_policy, graphs=False):
     interval = Interval(EVERY, target_size=TARGET, policy=decoding_policy)
-    cache = EvictionCache(model, make_policy("full", 1.0), protocol="context", decoding="interval", interval=interval)
-    if graphs:
-        cache.graphs = DecodeGraphs(cache, RecordedGraph)
-        install(model)
+    cache = EvictionCache(
+        model, make_policy("full", 1.0), protocol="context", decoding="interval", interval=interval,
+        graphs="emulate" if graphs else False,
+    )  # fmt: skip
     logits = [model(ids, cache=cache, use_cache=True).logits[0, -1]]
     for step in range(NEW - 1):
         token = logits[-1].argmax().view(1, 1)

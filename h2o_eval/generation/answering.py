@@ -70,7 +70,7 @@ class Settings:
     batch_size: int
     kernels: str = "auto"
     decoding: str = "evict"
-    graphs: bool = True
+    graphs: bool | str = True
     stack: bool = False
     interval: Interval | None = None
 

@@ -78,7 +78,7 @@ def generate(
     protocol: str,
     kernels: str,
     decoding: str = "evict",
-    graphs: bool = True,
+    graphs: bool | str = True,
     interval: Interval | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, EvictionCache]:

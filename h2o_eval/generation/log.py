@@ -58,6 +58,7 @@ class GenerationLog:
     allocated_bytes: float = 0.0  # the bytes of keys and values the batches' caches had allocated, summed over rows
     full_entries: int = 0
     entry_bytes: int = 0
+    graphs_failed: str | None = None  # why a cache's decode steps could not be captured as CUDA graphs (then eager)
 
     def add(
         self, batch: Batch, sequences: torch.Tensor, cache: EvictionCache, seconds: float, ends: set[int]
@@ -78,6 +79,8 @@ class GenerationLog:
         # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
         self.full_entries = max(self.full_entries, max(prompts) + sequences.shape[1] - batch.input_ids.shape[1] - 1)
         self.entry_bytes = cache.entry_bytes() * cache.num_layers * cache.kv_heads
+        if cache.graphs is not None and cache.graphs.failed is not None:
+            self.graphs_failed = cache.graphs.failed
         return [
             {
                 "tokens": tokens,
@@ -95,7 +98,8 @@ class GenerationLog:
     def fields(self) -> dict[str, Any]:
         """The record's ``generation`` (token means, tokens/s, KV peak and full-cache entries per KV head and the
         bytes they take over all layers and heads, and the bytes of keys and values a sequence's cache allocated at
-        its end, spare slots included) and ``capacity``."""
+        its end, spare slots included; where capturing a decode step raised, why: ``graphs_failed``, the run then
+        decoded eagerly) and ``capacity``."""
         n = max(self.rows, 1)
         return {
             "generation": {
@@ -108,6 +112,7 @@ class GenerationLog:
                 "kv_full_entries": self.full_entries,
                 "kv_full_bytes": self.full_entries * self.entry_bytes,
                 "kv_allocated_bytes_mean": self.allocated_bytes / n,
-            },
+            }
+            | ({} if self.graphs_failed is None else {"graphs_failed": self.graphs_failed}),
             "capacity": self.capacity.stats(),
         }
