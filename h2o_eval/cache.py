@@ -34,12 +34,11 @@ from h2o_eval.attention import (
     layer_windows,
     rotary_function,
 )
-from h2o_eval.context import LayerContext, Sequences, plan_tensors
+from h2o_eval.context import LayerContext, Sequences
 from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import CudaGraph, DecodeGraphs, RecordedGraph
 from h2o_eval.graphs import install as install_graphs
 from h2o_eval.implementation import choose
-from h2o_eval.interval import between
 from h2o_eval.kernels.reference import CONSTANTS
 from h2o_eval.layer import EvictionLayer
 from h2o_eval.policies import Full, Interval, Policy, Rule, check_decoding, check_protocol
@@ -149,7 +148,7 @@ class EvictionCache(Cache):
         graph = {True: CudaGraph if device.type == "cuda" else None, False: None, "emulate": RecordedGraph}
         if graphs not in graph:
             raise ConfigError(f"graphs={graphs!r}: use true, false or emulate")
-        if graphs == "emulate" and self.context.implementation.triton and device.type != "cuda":
+        if graphs == "emulate" and kernels == "triton" and device.type != "cuda":
             raise ConfigError(
                 "graphs=emulate replays aten operations, and Triton's interpreter runs none: use kernels=auto"
             )
@@ -241,17 +240,13 @@ class EvictionCache(Cache):
                 "caches whose policies differ in budget share their extra passes"
             )
         for mine, theirs in zip(self.layers, other.layers, strict=True):
-            if mine.window is not None:
-                continue
-            if not (torch.equal(mine.held, theirs.held) and torch.equal(mine.position, theirs.position)):
-                raise ValueError("the caches hold different prompts: extra passes are shared by one prompt's caches")
-            mine.rehearsed = None if theirs.rehearsed is None else theirs.rehearsed.clone()
+            mine.adopt_rehearsal(theirs)
 
     def compress_prompt(self) -> None:
         """Compress a deferred prompt after its extra passes: each layer to its planned C, or to the capacities
         the policy allocates across layers from all their scores (:meth:`~h2o_eval.policies.Policy.allocate`)."""
         layers = [layer for layer in self.layers if layer.window is None]
-        planned = [layer.plan["capacity"] for layer in layers]
+        planned = [layer.plan.capacity for layer in layers]
         scores = [layer.scores if layer.rehearsed is None else layer.rehearsed for layer in layers]
         held = [layer.held for layer in layers]
         capacities = self.policy.allocate(scores, held, planned) or planned
@@ -292,15 +287,8 @@ class EvictionCache(Cache):
             self.context, policy=policy, rule=decoding_rule(policy, self.decoding), interval=None
         )
         clone = self._copy(context, self.shared.rows(rows))
-        clone.layers = [layer.fork(context, clone.shared, rows) for layer in self.layers]
         clone.shared.deferred = False
-        for layer in clone.layers:
-            if layer.plan is not None:
-                device = layer.plan["capacity"].device
-                layer.plan = plan_tensors(policy, clone.lengths, layer.layer_idx, context, clone.shared, device)
-                layer.unbounded = True
-            if layer.is_initialized:
-                layer._settled()
+        clone.layers = [layer.fork(context, clone.shared, rows, full=True) for layer in self.layers]
         return clone
 
     def grown_view(self) -> EvictionCache:
@@ -351,7 +339,6 @@ class EvictionCache(Cache):
         token."""
         check_window(self.context.window, self.shared.longest + 1)
         for layer in self.layers:
-            between(layer)
             layer.prepare_decode()
 
     def buffers(self) -> tuple:
@@ -370,6 +357,7 @@ class EvictionCache(Cache):
         """The host's state of the cache (its sequences' and layers' counts), to restore after a capture that raised
         (:meth:`restore_host_state`)."""
         parts = [self.shared, *self.layers, *(layer.steps for layer in self.layers)]
+        parts += [layer.layout for layer in self.layers if layer.layout is not None]
         own = (dict, list)  # what a step may change in place on the host; tensors are the device's, left as they are
         return [
             (part, {name: copy.copy(v) if isinstance(v, own) else v for name, v in vars(part).items()})
@@ -387,7 +375,6 @@ class EvictionCache(Cache):
         self.shared.advance()
         for layer in self.layers:
             layer.advance()
-            layer.steps.fed(1)
 
     # -- what transformers and the backend ask ------------------------------------------------------------------
 

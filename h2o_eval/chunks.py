@@ -6,7 +6,8 @@ row can evict and none votes."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,13 +22,22 @@ from h2o_eval.policies.base import Combine, DecodeVote, Heads
 ROW_BLOCK = 256  # decode-phase rows per block on the CPU: memory grows as rows x slots, never n x N
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a chunk runs on, chosen in :mod:`h2o_eval.implementation`: ``votes`` (the prompt's attention and
+    column sums, :func:`~h2o_eval.kernels.prompt.prompt_votes`'s contract) and ``scan`` (the decode phase of a rule
+    scored per KV head, :func:`scan_triton`'s contract; None: the numba scan over blocks of rows)."""
+
+    votes: Callable = prompt_votes
+    scan: Callable | None = None
+
+
 def attend_chunk(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, triton: bool = False
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk, kernels: Kernels = Kernels()
 ) -> Result:
-    """Same contract as :func:`attend_chunk_reference`, fast: the prompt phase from ``prompt_votes`` (its
-    Triton kernels with ``triton``, else their PyTorch references), :func:`compress`, then the decode phase
-    through the row scan (``eviction_scan`` with ``triton``, else the numba scan over blocks of rows), or as plain
-    masked attention when no decode row can evict and none votes."""
+    """Same contract as :func:`attend_chunk_reference`, fast: the prompt phase from ``kernels.votes``,
+    :func:`compress`, then the decode phase through the row scan (``kernels.scan``, else the numba scan over blocks
+    of rows), or as plain masked attention when no decode row can evict and none votes."""
     n, slots = query.shape[2], key.shape[2]
     in_prompt = prompt_rows(chunk, n)
     held, scores, capacity = chunk.held, chunk.scores.float(), chunk.capacity
@@ -35,7 +45,7 @@ def attend_chunk(
     if bool(in_prompt.any()):
         if slots != n:
             raise ValueError("prompt rows need an empty cache: prefill a chunk before any other")
-        output, held, scores, capacity = _prompt_phase(query, key, value, chunk, in_prompt, triton)
+        output, held, scores, capacity = _prompt_phase(query, key, value, chunk, in_prompt, kernels.votes)
         kept = torch.where(in_prompt.any(-1, keepdim=True), held.sum(-1), 0)
     decoding = chunk.arriving & ~in_prompt
     if not bool(decoding.any()):
@@ -45,8 +55,8 @@ def attend_chunk(
         (held.sum(-1) + decoding.sum(-1, keepdim=True) <= capacity).all()
     ):
         result = _attend_without_eviction(query, key, value, rest)
-    elif triton and rest.rule.heads == Heads.KV:  # the Triton scan runs each KV head alone
-        result = _scan_triton(query, key, value, rest)
+    elif kernels.scan is not None and rest.rule.heads == Heads.KV:  # the Triton scan runs each KV head alone
+        result = kernels.scan(query, key, value, rest)
     else:
         result = _scan_cpu(query, key, value, rest)
     if output is not None:
@@ -55,7 +65,7 @@ def attend_chunk(
     return result
 
 
-def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, triton: bool):
+def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, votes: Callable):
     """Prompt rows attend causally in full; their votes feed the scores; the cache is then compressed."""
     rule = chunk.rule
     last = int(chunk.prefill.clamp(max=query.shape[2]).max())
@@ -81,7 +91,7 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, trit
         if known:
             output, attention = None, known[0]
         else:
-            output, attention = prompt_votes(q, k, v, rows, weights, chunk.scaling, chunk.output, triton)
+            output, attention = votes(q, k, v, rows, weights, chunk.scaling, chunk.output)
         if shared is not None and not known:
             shared.append((weights, rows, attention))
         attention = share_votes(attention, rule)
@@ -201,7 +211,8 @@ def _scan_cpu(query, key, value, chunk: Chunk) -> Result:
     return Result(output, held_t, scores_t, chunk.capacity)
 
 
-def _scan_triton(query, key, value, chunk: Chunk) -> Result:
+def scan_triton(query, key, value, chunk: Chunk) -> Result:
+    """The decode phase of a chunk through the Triton ``eviction_scan``, each KV head alone."""
     from h2o_eval.kernels.eviction_scan import eviction_scan
 
     output, held, scores = eviction_scan(
@@ -219,8 +230,3 @@ def _scan_triton(query, key, value, chunk: Chunk) -> Result:
         chunk.scaling,
     )
     return Result(output, held, scores, chunk.capacity)
-
-
-def attend_chunk_triton(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, chunk: Chunk) -> Result:
-    """:func:`attend_chunk` on the Triton kernels of ``h2o_eval.kernels``."""
-    return attend_chunk(query, key, value, chunk, triton=True)

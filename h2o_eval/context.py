@@ -13,7 +13,7 @@ import torch
 
 from h2o_eval.errors import ConfigError
 from h2o_eval.implementation import Implementation
-from h2o_eval.policies import Interval, Policy, Rule
+from h2o_eval.policies import UNBOUNDED, Interval, Policy, Rule
 from h2o_eval.policies.inputs import Script
 
 
@@ -161,21 +161,43 @@ def arriving_scores(context: LayerContext, key: torch.Tensor, position: torch.Te
     return starting_scores(context.policy, key, position.expand(*key.shape[:3]), layer)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A layer's budget: ``capacity`` [B, Hkv] per sequence and KV head, the ``recent`` window and ``sinks`` [B]
+    per sequence (tensors shared by the layers whose values are equal, :meth:`Sequences.shared`), and whether no
+    head can evict any more (``unbounded``: the layer only grows)."""
+
+    capacity: torch.Tensor
+    recent: torch.Tensor
+    sinks: torch.Tensor
+    unbounded: bool
+
+    @classmethod
+    def of(cls, capacity: torch.Tensor, recent: torch.Tensor, sinks: torch.Tensor) -> Plan:
+        return cls(capacity, recent, sinks, bool((capacity >= UNBOUNDED).all()))
+
+    def with_capacity(self, capacity: torch.Tensor) -> Plan:
+        """This plan after a chunk or a compression set the capacities ``capacity``."""
+        return Plan.of(capacity, self.recent, self.sinks)
+
+    def rows(self, index: torch.Tensor, shared: Sequences) -> Plan:
+        """This plan for the sequences ``index`` [R], its windows and sinks shared through ``shared``."""
+        recent, sinks = (shared.shared(tuple(t[index].tolist()), index.device) for t in (self.recent, self.sinks))
+        return Plan(self.capacity[index], recent, sinks, self.unbounded)
+
+
 def plan_tensors(policy: Policy, lengths: list[int], layer: int, context: LayerContext, shared: Sequences, device):
-    """One layer's plan for sequences whose budgets apply to ``lengths``: capacity [B, Hkv], recent and sinks [B]
-    (tensors shared by the layers whose values are equal)."""
+    """One layer's :class:`Plan` for sequences whose budgets apply to ``lengths``."""
     plans = [policy.plan(max(length, 1), layer, context.num_layers) for length in lengths]
     capacity = torch.tensor([p.capacity for p in plans], dtype=torch.int64, device=device)
-    return {
-        "capacity": capacity.view(-1, 1).expand(-1, context.kv_heads).contiguous(),
-        "recent": shared.shared(tuple(p.recent for p in plans), device),
-        "sinks": shared.shared(tuple(p.sinks for p in plans), device),
-    }
+    return Plan.of(
+        capacity.view(-1, 1).expand(-1, context.kv_heads).contiguous(),
+        shared.shared(tuple(p.recent for p in plans), device),
+        shared.shared(tuple(p.sinks for p in plans), device),
+    )
 
 
-def first_plan(
-    context: LayerContext, sequences: Sequences, layer: int, arriving: torch.Tensor
-) -> dict[str, torch.Tensor]:
+def first_plan(context: LayerContext, sequences: Sequences, layer: int, arriving: torch.Tensor) -> Plan:
     """A layer's capacity per (sequence, KV head), recent window and sinks, fixed on its first chunk (``arriving``
     [B, n] marks its real tokens); the lengths budgets apply to are fixed by the cache's first layer: the context's
     ``length``, or the chunk's real lengths."""

@@ -1,16 +1,19 @@
 """Which implementation of the mechanism a cache runs, chosen once from ``kernels`` and the device: the chunk
-function (the definition's loop, the fast CPU path, or the Triton kernels) and the decode attention that scores
-while it attends (the PyTorch reference or the flash-decoding kernel)."""
+function (the definition's loop, or the fast path on its PyTorch and numba kernels or on the Triton kernels) and the
+decode attention that scores while it attends (the PyTorch reference or the flash-decoding kernel). Every kernel a
+cache runs is chosen here."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from h2o_eval.chunks import attend_chunk, attend_chunk_triton
+from h2o_eval.chunks import Kernels, attend_chunk, scan_triton
 from h2o_eval.eviction import attend_chunk_reference
+from h2o_eval.kernels.prompt import prompt_votes
 from h2o_eval.kernels.reference import decode_attention_reference
 from h2o_eval.policies import Rule, check_kernels
 from h2o_eval.policies.base import DecodeVote, Heads
@@ -20,11 +23,10 @@ from h2o_eval.policies.base import DecodeVote, Heads
 class Implementation:
     """``chunk(query, key, value, chunk) -> Result``: a chunk through the mechanism. ``decode_attention(query [B, Hq,
     D], keys, values, held, scores, scaling, rule) -> output [B, Hq, D]``: one query per sequence over the held
-    slots, the rule's votes folded into ``scores`` in place. ``triton``: whether the Triton kernels run."""
+    slots, the rule's votes folded into ``scores`` in place."""
 
     chunk: Callable
     decode_attention: Callable[..., torch.Tensor]
-    triton: bool
 
 
 def _reference_decode(query, keys, values, held, scores, scaling, rule: Rule) -> torch.Tensor:
@@ -55,7 +57,8 @@ def choose(kernels: str, device: torch.device) -> Implementation:
     check_kernels(kernels, device.type)
     triton = kernels == "triton" or (kernels == "auto" and device.type == "cuda")
     if kernels == "torch":
-        return Implementation(attend_chunk_reference, _reference_decode, False)
+        return Implementation(attend_chunk_reference, _reference_decode)
     if triton:
-        return Implementation(attend_chunk_triton, _triton_decode, True)
-    return Implementation(attend_chunk, _reference_decode, False)
+        chunk_kernels = Kernels(votes=functools.partial(prompt_votes, triton=True), scan=scan_triton)
+        return Implementation(functools.partial(attend_chunk, kernels=chunk_kernels), _triton_decode)
+    return Implementation(attend_chunk, _reference_decode)

@@ -175,44 +175,37 @@ def interval_scores(
     return votes if rule.combine == Combine.REPLACE else scores + votes
 
 
-def between(layer, chunk: int = 0) -> None:
-    """Before a forward of ``chunk`` tokens per sequence through ``layer`` (an :class:`~h2o_eval.layer.EvictionLayer`;
-    0: a replayed decode step, counted by :meth:`~h2o_eval.cache.EvictionCache.advance`), under ``decoding=interval``:
-    compress it to the target when its host counts say so (it then reads the device, as a chunk does), then count
-    the forward (not the prompt's, nor an extra pass)."""
+def between(layer) -> bool:
+    """Whether ``layer`` (an :class:`~h2o_eval.layer.EvictionLayer`) is compressed before its next forward under
+    ``decoding=interval``, its host counts say (:meth:`~h2o_eval.layer.EvictionLayer.compress_held` then reads the
+    device, as a chunk does); never for a sliding layer's own window or during an extra pass."""
     steps = layer.steps
     if steps.interval is None or layer.window is not None or layer.shared.rehearsing is not None:
-        return
-    if steps.due(layer.seen):
-        compress_layer(layer)
-    if chunk and layer.seen:
-        steps.fed(chunk)
+        return False
+    return steps.due(layer.seen)
 
 
-def compress_layer(layer) -> None:
-    """Compress ``layer`` to the target by its decoding policy's scores over everything it holds."""
-    steps, context = layer.steps, layer.context
+def compression(steps: Steps, context, layer: int, seen: int, slots: Slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """``decoding=interval``'s compression of layer ``layer`` (``seen`` tokens fed, holding ``slots``) to the target by
+    its decoding policy's scores over everything it holds (``context``: the layer's
+    :class:`~h2o_eval.context.LayerContext`): the slots then held and their scores."""
     interval = steps.interval
-    slots = layer._compacted()
     held, position = slots.held, slots.position
     now = torch.where(held, position, -1).amax((1, 2))  # the newest token held is the newest fed
-    plan = interval.layout(interval.policy, layer.seen, layer.layer_idx, context.num_layers)
+    plan = interval.layout(interval.policy, seen, layer, context.num_layers)
     device = held.device
     capacity = torch.full(held.shape[:2], plan.capacity, dtype=torch.int64, device=device)
     recent = torch.full(now.shape, plan.recent, dtype=torch.int64, device=device)
     sinks = torch.full(now.shape, plan.sinks, dtype=torch.int64, device=device)
     if interval.policy.scores_held:
-        scores = held_scores(interval.policy, layer.layer_idx, slots, plan.capacity, steps, context.rotary)
+        scores = held_scores(interval.policy, layer, slots, plan.capacity, steps, context.rotary)
     else:
         scores = interval_scores(
-            interval.policy, layer.layer_idx, slots.keys, held, position, now, steps, context.rotary, steps.scaling
+            interval.policy, layer, slots.keys, held, position, now, steps, context.rotary, steps.scaling
         )
 
     def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return interval.policy.rescore_held(pooled, protected, slots.values, held, capacity, steps.module)
 
     kept, scores, _ = compress(held, scores, position, capacity, recent, sinks, now, interval.policy.rule, rescore)
-    layer.peak = max(layer.peak, layer.most)
-    layer._keep(Slots(slots.keys, slots.values, kept, position, scores), held)
-    layer._settled()
-    steps.reset()
+    return kept, scores

@@ -8,22 +8,24 @@ A layer holds :class:`~h2o_eval.decode.Slots`: keys/values [B, Hkv, S, D] and pe
   chunk: a prompt is attended in full, scored and compressed; later rows arrive under the policy's decoding rule.
   A chunk that can evict nothing is plain attention, and a deferred prompt (one scored by extra passes) is held
   whole.
-- ``claim``: one decode token per sequence into a bounded cache: it takes a free slot or its victim's, in place
-  (:func:`~h2o_eval.decode.claim`); the attention and, for a rule that scores while decoding, the scores come from
-  the decode-attention kernel, else from torch's fused attention over the held slots.
-- ``append``: one decode token per sequence into a cache that can no longer evict: it goes into the next slot of
-  buffers that grow in buckets (:func:`~h2o_eval.decode.append`), and attends through torch's fused attention
-  (under a threshold that drops, what left the window below it is freed after: :func:`~h2o_eval.decode.drop`).
+- ``decode``: one token per sequence through the layer's decode layout, chosen once when the layer settles after a
+  chunk or a compression (:meth:`EvictionLayer.settle`): :class:`Bounded` (a cache that evicts: the token takes a
+  free slot or its victim's, in place, :func:`~h2o_eval.decode.claim`; the attention and, for a rule that scores
+  while decoding, the scores come from the decode-attention kernel, else from torch's fused attention),
+  :class:`Dense` (a cache that no longer evicts: the next slot of buffers that grow in buckets,
+  :func:`~h2o_eval.decode.append`) or :class:`Ragged` (the same, each KV head holding its own count). Under a
+  threshold that drops, what left the window below it is freed after the step (:func:`~h2o_eval.decode.drop`).
 - ``window``: a sliding layer of a model that also has global layers keeps its last ``window`` - 1 tokens, as
   transformers' own sliding cache does, and the policy does not touch it.
 - ``rehearse``: an extra pass over a deferred prompt (KVzip's repeat): it attends, scores the held slots, and its
   own keys and values are dropped again.
 
-A decode step (``claim``, ``append``) never reads a value on the host, never allocates state and takes its shapes
-from the buffers, so it can be captured as a CUDA graph and replayed (:mod:`h2o_eval.graphs`): what it must know
-(how wide the buffers are) is settled on the host between chunks (:meth:`EvictionLayer.prepare_decode`), and what it
-must refuse (a padding token after the prompt, an inconsistent plan) is noted on the device and raised when the
-cache is next read (:meth:`EvictionLayer.faults`).
+A decode step never reads a value on the host, never allocates state and takes its shapes from the buffers, so it
+can be captured as a CUDA graph and replayed (:mod:`h2o_eval.graphs`). Each layout offers ``prepare`` (host work
+between steps: the buffers wide enough for one more token), ``step`` (device work only), ``advance`` (its host
+counts, moved by eager and replayed steps alike through :meth:`EvictionLayer.advance`) and ``tensors`` (what a
+captured step reads, by address). What a step must refuse (a padding token after the prompt, an inconsistent plan)
+is noted on the device and raised when the cache is next read (:meth:`EvictionLayer.faults`).
 
 A layer reads what its cache fixed once in a frozen :class:`~h2o_eval.context.LayerContext` (policy, rule,
 implementation, window, protocol) and shares with the cache's other layers one :class:`~h2o_eval.context.Sequences`
@@ -32,21 +34,184 @@ implementation, window, protocol) and shares with the cache's other layers one :
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from h2o_eval.attention import check_kv_heads, check_window, key_validity, plain_attention
 from h2o_eval.compression import compress
-from h2o_eval.context import LayerContext, Sequences, arriving_scores, first_plan, starting_scores
+from h2o_eval.context import LayerContext, Plan, Sequences, arriving_scores, first_plan, plan_tensors, starting_scores
 from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, drop, ragged, widened
 from h2o_eval.eviction import Chunk
-from h2o_eval.interval import Steps, between
+from h2o_eval.interval import Steps, between, compression
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
 from h2o_eval.policies.inputs import Prompt, Rehearsal
 from h2o_eval.rerotation import rerotated
 
 AHEAD = 64  # decode positions whose position scores are made at once (Policy.position_scores)
+
+
+class Bounded:
+    """The decode layout of a layer that evicts: each token claims a free slot or its victim's, in place
+    (:func:`~h2o_eval.decode.claim`), in buffers laid out by :func:`~h2o_eval.decode.bounded`; its attention and,
+    for a rule that scores while decoding, the scores come from the decode-attention kernel, else from torch's fused
+    attention. ``most``: an upper bound on the tokens any head holds; ``largest``: the largest capacity; ``sinks``:
+    whether any head has sinks; ``worst`` [B, Hkv, 1]: the highest lowest-candidate score of any claim, where a full
+    head may have no candidate; ``ahead``: the policy's position scores of the next :data:`AHEAD` positions from
+    ``ahead_base`` [B, 1, 1], made between steps."""
+
+    def __init__(self, layer: EvictionLayer, most: int) -> None:
+        plan, capacity = layer.plan, layer.plan.capacity
+        self.most, self.largest = most, int(capacity.max())
+        self.sinks = bool((plan.sinks > 0).any())
+        self.scored = layer.context.rule.decode_votes != DecodeVote.NONE
+        protected = (plan.recent + plan.sinks).view(-1, 1)
+        self.worst = None
+        if bool(((capacity < protected) & (capacity < UNBOUNDED)).any()):  # a full head may have no candidate
+            self.worst = torch.full((*capacity.shape, 1), -torch.inf, device=capacity.device)
+        self.ahead: torch.Tensor | None = None
+        self.ahead_base: torch.Tensor | None = None
+        self.ahead_left = 0
+        if layer.context.policy.positional:
+            self._scores_ahead(layer)
+        layer.slots = bounded(layer.slots, capacity, min(self.largest, bucket(most + 1)))
+
+    def prepare(self, layer: EvictionLayer) -> None:
+        if self.ahead is not None and self.ahead_left <= 0:
+            self._scores_ahead(layer)
+        width = layer.slots.width
+        if self.most >= width and width < self.largest:
+            layer.slots = bounded(layer.slots, layer.plan.capacity, min(self.largest, bucket(self.most + 1)))
+
+    def step(self, layer: EvictionLayer, query, key, value, scaling) -> torch.Tensor:
+        context, slots, now, plan = layer.context, layer.slots, layer.shared.last, layer.plan
+        if self.ahead is not None:  # position scores made ahead (prepare)
+            start = self.ahead.gather(-1, (now - self.ahead_base).expand(-1, key.shape[1], 1))
+        else:
+            start = context.policy.key_scores(key, now.expand(-1, key.shape[1], 1), layer.layer_idx)
+        lowest = claim(
+            slots, key, value, now, layer.shared.limit(plan.recent),
+            plan.sinks.view(-1, 1, 1) if self.sinks else None, 0.0 if start is None else start,
+        )  # fmt: skip
+        if self.worst is not None:
+            torch.maximum(self.worst, lowest, out=self.worst)
+        if self.scored:
+            attention = context.implementation.decode_attention
+            output = attention(
+                query[:, :, 0], slots.keys, slots.values, slots.held, slots.scores, scaling, context.rule
+            )
+            return output.unsqueeze(2)
+        return attend(query, slots, scaling)
+
+    def advance(self) -> None:
+        self.most = min(self.most + 1, self.largest)
+        self.ahead_left -= 1
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.ahead, self.ahead_base, self.worst]
+
+    def compacted(self, slots: Slots) -> Slots:
+        return slots
+
+    def faults(self) -> list[str]:
+        if self.worst is not None and bool((self.worst == torch.inf).any()):
+            return ["eviction needed but every held token is protected: the plan is inconsistent"]
+        return []
+
+    def _scores_ahead(self, layer: EvictionLayer) -> None:
+        """Make (in place, where it exists) the policy's position scores of the next :data:`AHEAD` decode positions of
+        each sequence, so that the next claims read them instead of computing them: from the position after the last
+        token fed, then from where the previous table ended (decode positions follow one another)."""
+        if self.ahead is None:
+            self.ahead_base = layer.shared.last + 1
+        else:
+            self.ahead_base.add_(AHEAD)
+        kv_heads = layer.slots.held.shape[1]
+        position = (self.ahead_base + torch.arange(AHEAD, device=self.ahead_base.device)).expand(-1, kv_heads, AHEAD)
+        scores = layer.context.policy.position_scores(position, layer.layer_idx)
+        if self.ahead is None:
+            self.ahead = scores
+        else:
+            self.ahead.copy_(scores)
+        self.ahead_left = AHEAD
+
+
+class Dense:
+    """The decode layout of a layer that no longer evicts and whose heads hold as many tokens: each token goes into
+    the next slot, ``fill`` [1] on the device (:func:`~h2o_eval.decode.append`), of buffers that grow in buckets
+    (``filled``: the slots filled, on the host); a rule that drops frees what left the window below its threshold."""
+
+    def __init__(self, layer: EvictionLayer, most: int) -> None:
+        self.most, self.filled = most, layer.slots.width
+        self.fill = torch.tensor([self.filled], dtype=torch.int64, device=layer.slots.held.device)
+
+    def prepare(self, layer: EvictionLayer) -> None:
+        if self.filled >= layer.slots.width:
+            layer.slots = widened(layer.slots, bucket(self.filled + 1))
+
+    def step(self, layer: EvictionLayer, query, key, value, scaling) -> torch.Tensor:
+        append(layer.slots, key, value, layer.shared.last, self.fill)
+        return layer.dropped(attend(query, layer.slots, scaling))
+
+    def advance(self) -> None:
+        self.filled += 1
+        self.most += 1
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.fill]
+
+    def compacted(self, slots: Slots) -> Slots:
+        return slots.map(lambda tensor: tensor[:, :, : self.filled]) if self.filled < slots.width else slots
+
+    def faults(self) -> list[str]:
+        return []
+
+
+class Ragged:
+    """The decode layout of a layer that no longer evicts and whose heads hold different numbers of tokens (or that
+    drops by a threshold): each head's token goes into its own next slot, ``count`` [B, Hkv] on the device
+    (:func:`~h2o_eval.decode.append_ragged`), in rows laid out by :func:`~h2o_eval.decode.ragged` with ``room_left``
+    free slots in every head; ``counts``: per sequence and KV head the tokens held when last laid out, ``grown``:
+    tokens appended since."""
+
+    def __init__(self, layer: EvictionLayer, counts: list[list[int]], room: int) -> None:
+        self.most = max(max(row) for row in counts)
+        self._lay_out(layer, counts, room)
+
+    def _lay_out(self, layer: EvictionLayer, counts: list[list[int]], room: int) -> None:
+        layer.slots = ragged(layer.slots, room, counts)
+        self.count = torch.tensor(counts, device=layer.slots.held.device)
+        self.counts, self.grown, self.room_left = counts, 0, room
+
+    def prepare(self, layer: EvictionLayer) -> None:
+        if self.room_left > 0:
+            return
+        held = layer.slots.held.sum(-1).tolist() if layer.context.rule.drops else None  # one read per bucket
+        counts = held or [[count + self.grown for count in row] for row in self.counts]  # (drops free slots)
+        self.most = max(max(row) for row in counts)
+        self._lay_out(layer, counts, bucket(self.most + 1) - self.most)  # a bucket's room for every head
+
+    def step(self, layer: EvictionLayer, query, key, value, scaling) -> torch.Tensor:
+        now, context = layer.shared.last, layer.context
+        score = arriving_scores(context, key, now, layer.layer_idx)
+        append_ragged(layer.slots, key, value, now, self.count, score)
+        return layer.dropped(attend(query, layer.slots, scaling))
+
+    def advance(self) -> None:
+        self.room_left -= 1
+        self.grown += 1
+        self.most += 1
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.count]
+
+    def compacted(self, slots: Slots) -> Slots:
+        return slots.held_first(self.most)
+
+    def faults(self) -> list[str]:
+        return []
 
 
 class EvictionLayer(CacheLayerMixin):
@@ -65,30 +230,14 @@ class EvictionLayer(CacheLayerMixin):
         self.slots: Slots | None = None
         self.seen = 0  # columns fed, padding included
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values ``update`` took
-        self.plan: dict[str, torch.Tensor] | None = None
+        self.plan: Plan | None = None
         self.moved = False  # whether slots stopped being the model's own positions (an eviction or compaction)
         self.kept: torch.Tensor | None = None  # [B, Hkv] tokens held right after the prompt was compressed
         self.rehearsed: torch.Tensor | None = None  # [B, Hkv, S] the compression scores of a deferred prompt
-        self.unbounded = False  # whether no (sequence, KV head) can evict any more: the cache only grows
-        # Host counts the decode steps go by (settled after each chunk): an upper bound on the tokens any head
-        # holds, the largest capacity, the slots filled by appends, whether any head has sinks, and the peak.
-        self.most = 0
-        self.largest = 0
-        self.filled = 0
-        self.sinks = False
-        self.peak = 0
-        self.fill: torch.Tensor | None = None  # [1] the next append's slot, on the device
-        # A ragged layout (decode.ragged): each head's next slot [B, Hkv] on the device, and the slots left in the
-        # room every head has.
-        self.count: torch.Tensor | None = None
-        self.room_left = 0
-        self.counts: list[list[int]] = []  # per sequence and KV head, the tokens held when last laid out
-        self.grown = 0  # tokens appended since
-        self.worst: torch.Tensor | None = None  # [B, Hkv, 1] the highest lowest-candidate score of any claim
-        # A policy's position scores for the next AHEAD positions from ahead_base [B, 1, 1], for claims to read.
-        self.ahead: torch.Tensor | None = None
-        self.ahead_base: torch.Tensor | None = None
-        self.ahead_left = 0
+        self.peak = 0  # the most tokens any head held when last settled
+        # How one token per sequence is decoded (Bounded, Dense or Ragged), chosen when the layer settles; None
+        # while there is nothing to decode into (no plan, a deferred prompt, a sliding layer's own window).
+        self.layout: Bounded | Dense | Ragged | None = None
         self.steps = Steps(context.interval)  # decoding=interval: the forwards since the last compression
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
@@ -127,7 +276,8 @@ class EvictionLayer(CacheLayerMixin):
                 "h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more tokens"
             )
         self.pending = (key_states, value_states)
-        between(self, key_states.shape[2])  # decoding=interval: a compression due before this forward, then its count
+        if between(self):  # decoding=interval: a compression due before this forward
+            self.compress_held()
         return self.pending
 
     def _step(self, key_states: torch.Tensor) -> str:
@@ -135,9 +285,9 @@ class EvictionLayer(CacheLayerMixin):
             return "rehearse"
         if self.window is not None:
             return "window"
-        if key_states.shape[2] > 1 or self.seen == 0:
+        if key_states.shape[2] > 1 or self.seen == 0 or self.layout is None:
             return "chunk"
-        return "append" if self.unbounded else "claim"
+        return "decode"
 
     def check_attended(self) -> None:
         """Refuse to go on when the keys this layer took never reached the backend's attention."""
@@ -174,17 +324,16 @@ class EvictionLayer(CacheLayerMixin):
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
         self.steps.saw(self, module, hidden_states, scaling)
-        decode = step in ("claim", "append")
         if self.seen == self.shared.columns:  # the first layer this forward reaches
             self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
         check_window(self.context.window, self.shared.longest)
-        if decode:
+        if step == "decode":
             self.prepare_decode()
-            result = (
-                self._claim(query, key, value, scaling) if step == "claim" else self._append(query, key, value, scaling)
-            )
+            result = self.layout.step(self, query, key, value, scaling)
             self.advance()
             return result
+        if self.seen:
+            self.steps.fed(arriving.shape[1])
         self.seen += arriving.shape[1]
         if step == "window":
             result = self._attend_window(module, query, key, value, attention_mask, scaling, arriving, output)
@@ -192,122 +341,46 @@ class EvictionLayer(CacheLayerMixin):
             result = self._attend_chunk(
                 module, query, key, value, attention_mask, scaling, arriving, output, hidden_states, votes, shared
             )
-        self._settled()
+        self.settle()
         return result
 
-    def _claim(self, query, key, value, scaling) -> torch.Tensor:
-        """One token per sequence into the bounded slots, then its attention (see the module)."""
-        context, slots, now = self.context, self.slots, self.shared.last
-        rule, plan = context.rule, self.plan
-        scored = rule.decode_votes != DecodeVote.NONE
-        if self.ahead is not None:  # position scores made ahead (prepare_decode)
-            start = self.ahead.gather(-1, (now - self.ahead_base).expand(-1, key.shape[1], 1))
-        else:
-            start = context.policy.key_scores(key, now.expand(-1, key.shape[1], 1), self.layer_idx)
-        lowest = claim(
-            slots, key, value, now, self.shared.limit(plan["recent"]),
-            plan["sinks"].view(-1, 1, 1) if self.sinks else None, 0.0 if start is None else start,
-        )  # fmt: skip
-        if self.worst is not None:
-            torch.maximum(self.worst, lowest, out=self.worst)
-        if scored:
-            attention = context.implementation.decode_attention
-            output = attention(query[:, :, 0], slots.keys, slots.values, slots.held, slots.scores, scaling, rule)
-            return output.unsqueeze(2)
-        return attend(query, slots, scaling)
-
-    def _append(self, query, key, value, scaling) -> torch.Tensor:
-        """One token per sequence into the next slot of growing buffers (each head's own when ragged); its attention."""
-        now, context = self.shared.last, self.context
-        if self.count is not None:
-            append_ragged(self.slots, key, value, now, self.count, arriving_scores(context, key, now, self.layer_idx))
-        else:
-            append(self.slots, key, value, now, self.fill)
-        return self._drop(attend(query, self.slots, scaling))
-
-    def _drop(self, output=None):
+    def dropped(self, output=None):
         """End a forward (returns ``output``): a rule that drops frees what left the window below its threshold."""
         if self.context.rule.drops:
-            drop(self.slots, self.shared.limit(self.plan["recent"]), self.context.rule.threshold)
+            drop(self.slots, self.shared.limit(self.plan.recent), self.context.rule.threshold)
         return output
 
     def advance(self) -> None:
-        """The host's counts after a decode step (a replayed one too: :mod:`h2o_eval.graphs`)."""
+        """The host's counts after a decode step, eager or replayed (:mod:`h2o_eval.graphs`): where they move."""
         self.seen += 1
-        if self.unbounded:
-            if self.count is not None:
-                self.room_left -= 1
-                self.grown += 1
-            else:
-                self.filled += 1
-            self.most += 1
-        else:
-            self.most = min(self.most + 1, self.largest)
-            self.moved = True
-            self.ahead_left -= 1
+        self.layout.advance()
+        self.steps.fed(1)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps on the device: what a captured decode step may read (h2o_eval.graphs)."""
-        kept = [self.fill, self.count, self.ahead, self.ahead_base, self.worst, self.kept, self.rehearsed]
-        kept += [] if self.plan is None else list(self.plan.values())
+        kept = [self.kept, self.rehearsed, *([] if self.layout is None else self.layout.tensors())]
+        kept += [] if self.plan is None else [self.plan.capacity, self.plan.recent, self.plan.sinks]
         kept += [] if self.slots is None else list(self.slots.tensors())
         return [tensor for tensor in kept if tensor is not None]
 
     def buffers(self) -> tuple:
         """What a captured decode step of this layer reads and writes, by address: a step captured for other
         buffers does not fit these."""
-        tensors = [*self.slots.tensors(), self.fill, self.count, self.ahead, self.ahead_base, self.worst]
-        if self.plan is not None:
-            tensors += [self.plan["recent"], self.plan["sinks"]]
-        return (self.unbounded, *(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors))
+        tensors = [*self.slots.tensors(), *self.layout.tensors(), self.plan.recent, self.plan.sinks]
+        return (type(self.layout), *(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors))
 
     def capturable(self) -> bool:
         """Whether this layer's next one-token step is a decode step that can be captured (:mod:`h2o_eval.graphs`)."""
-        return self.window is None and self.is_initialized and self.seen > 0 and self.pending is None
+        return self.window is None and self.layout is not None and self.seen > 0 and self.pending is None
 
-    def prepare_decode(self) -> bool:
-        """Before a decode step, on the host: make the buffers wide enough for one more token (a new bucket for a
-        layer that grows). Returns whether the buffers changed (a graph captured for the old ones no longer
-        fits)."""
-        if self.window is not None:
-            return False
-        slots = self.slots
-        if self.unbounded and self.count is not None:
-            if self.room_left > 0:
-                return False
-            held = self.slots.held.sum(-1).tolist() if self.context.rule.drops else None  # one read per bucket
-            counts = held or [[count + self.grown for count in row] for row in self.counts]  # (drops free slots)
-            self.most = max(max(row) for row in counts)
-            self._ragged(counts, bucket(self.most + 1) - self.most)  # a bucket's room for every head, as dense grow
-            return True
-        if self.unbounded:
-            if self.filled < slots.width:
-                return False
-            self.slots = widened(slots, bucket(self.filled + 1))
-            return True
-        if self.ahead is not None and self.ahead_left <= 0:
-            self._scores_ahead()
-        if self.most < slots.width or slots.width >= self.largest:
-            return False
-        self.slots = bounded(slots, self.plan["capacity"], min(self.largest, bucket(self.most + 1)))
-        return True
-
-    def _scores_ahead(self) -> None:
-        """Make (in place, where it exists) the policy's position scores of the next :data:`AHEAD` decode positions of
-        each sequence, so that the next claims read them instead of computing them: from the position after the last
-        token fed, then from where the previous table ended (decode positions follow one another)."""
-        if self.ahead is None:
-            self.ahead_base = self.shared.last + 1
-        else:
-            self.ahead_base.add_(AHEAD)
-        kv_heads = self.slots.held.shape[1]
-        position = (self.ahead_base + torch.arange(AHEAD, device=self.ahead_base.device)).expand(-1, kv_heads, AHEAD)
-        scores = self.context.policy.position_scores(position, self.layer_idx)
-        if self.ahead is None:
-            self.ahead = scores
-        else:
-            self.ahead.copy_(scores)
-        self.ahead_left = AHEAD
+    def prepare_decode(self) -> None:
+        """Before a decode step, on the host: the buffers wide enough for one more token (a new bucket for a layer
+        that grows), the position scores ahead made anew when used up; first, under ``decoding=interval``, the
+        compression its counts say is due."""
+        if between(self):
+            self.compress_held()
+        if self.layout is not None:
+            self.layout.prepare(self)
 
     def _attend_chunk(
         self, module, query, key, value, attention_mask, scaling, arriving, output, hidden_states, votes, shared
@@ -326,8 +399,7 @@ class EvictionLayer(CacheLayerMixin):
         keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
         if first and sequences.deferred or not self.moved and self._evicts_nothing(first, arriving):
             fresh = arriving_scores(context, key, new_position, self.layer_idx)
-            self._drop(self._keep_all(keys, values, arriving, new_position, fresh))  # a deferred prompt: after passes
-            self.unbounded = not self.moved and bool((self.plan["capacity"] >= UNBOUNDED).all())
+            self.dropped(self._keep_all(keys, values, arriving, new_position, fresh))  # a deferred prompt: after passes
             return plain_attention(module, query, keys, values, attention_mask, scaling) if output else None
         position = torch.cat([slots.position, new_position], dim=-1).contiguous()
         fresh = starting_scores(context.policy, key, new_position, self.layer_idx)
@@ -343,7 +415,7 @@ class EvictionLayer(CacheLayerMixin):
                 value=value,
                 position=new_position[:, 0],
                 real=arriving & (rows < prefill.view(-1, 1)),
-                capacity=self.plan["capacity"],
+                capacity=self.plan.capacity,
                 hidden_states=hidden_states,
                 rotary=None if context.rotary is None else (lambda p: context.rotary(self.layer_idx, p)),
                 scaling=scaling,
@@ -359,9 +431,9 @@ class EvictionLayer(CacheLayerMixin):
             arriving=arriving,
             position=position,
             scores=torch.cat([slots.scores, fresh], dim=-1),
-            capacity=self.plan["capacity"],
-            recent=self.plan["recent"],
-            sinks=self.plan["sinks"],
+            capacity=self.plan.capacity,
+            recent=self.plan.recent,
+            sinks=self.plan.sinks,
             prefill=prefill,
             rule=context.rule,
             scaling=scaling,
@@ -370,32 +442,19 @@ class EvictionLayer(CacheLayerMixin):
             votes=votes,
         )
         result = context.implementation.chunk(query, keys, values, chunk)
-        self.plan["capacity"] = result.capacity
-        self.unbounded = bool((result.capacity >= UNBOUNDED).all())
+        self.plan = self.plan.with_capacity(result.capacity)
         if result.kept is not None:
             self.kept = result.kept
         entered = torch.cat([slots.held, arriving.unsqueeze(1).expand(batch, kv_heads, n)], dim=-1)
         self._keep(Slots(keys, values, result.held, position, result.scores), entered)
         if result.kept is not None:  # a prompt was compressed: the policy may turn the keys it kept
             self.slots = rerotated(self.slots, self.shared.last, context.rerotation, self.layer_idx)
-        return self._drop(result.output)
-
-    def _ragged(self, counts: list[list[int]], room: int) -> None:
-        """Lay out a growing layer whose heads hold ``counts`` tokens (per sequence and KV head) ragged, with ``room``
-        free slots in every head (:func:`~h2o_eval.decode.ragged`)."""
-        self.slots = ragged(self.slots, room, counts)
-        self.count = torch.tensor(counts, device=self.slots.held.device)
-        self.counts, self.grown, self.room_left, self.fill = counts, 0, room, None
+        return self.dropped(result.output)
 
     def _compacted(self) -> Slots:
         """The state a chunk starts from: the slots filled so far (not a growing layer's spare room), in the dense
         layout."""
-        slots = self.slots
-        if self.count is not None:
-            return slots.held_first(self.most)
-        if self.unbounded and self.filled < slots.width:
-            return slots.map(lambda tensor: tensor[:, :, : self.filled])
-        return slots
+        return self.slots if self.layout is None else self.layout.compacted(self.slots)
 
     def _keep(self, slots: Slots, entered: torch.Tensor) -> None:
         """The state after a chunk: its slots as they are if nothing left, else only the held slots (per head,
@@ -441,21 +500,20 @@ class EvictionLayer(CacheLayerMixin):
         slots, plan = self.slots, self.plan
         scores = slots.scores if self.rehearsed is None else self.rehearsed
         held, scores, after = compress(
-            slots.held, scores, slots.position, capacity, plan["recent"], plan["sinks"],
+            slots.held, scores, slots.position, capacity, plan.recent, plan.sinks,
             self.shared.last.view(-1), self.context.rule,
         )  # fmt: skip
-        plan["capacity"], self.kept, self.rehearsed = after, held.sum(-1), None
-        self.unbounded = bool((after >= UNBOUNDED).all())
+        self.plan, self.kept, self.rehearsed = plan.with_capacity(after), held.sum(-1), None
         self._keep(Slots(slots.keys, slots.values, held, slots.position, scores), slots.held)
         self.slots = rerotated(self.slots, self.shared.last, self.context.rerotation, self.layer_idx)
-        self._settled()
+        self.settle()
 
     def _evicts_nothing(self, first: bool, arriving: torch.Tensor) -> bool:
         """Whether this chunk is plain attention: nothing is ever evicted (an unbounded capacity), or, for a cache
         that sees one chunk only (:func:`h2o_eval.backend.patch`), C covers what could overflow it (the prompt for
         a policy that grows after it, else every token)."""
-        capacity = self.plan["capacity"]
-        if bool((capacity >= UNBOUNDED).all()):
+        capacity = self.plan.capacity
+        if self.plan.unbounded:
             return True
         context = self.context
         if not (first and context.one_forward) or context.rule.threshold is not None:
@@ -500,65 +558,82 @@ class EvictionLayer(CacheLayerMixin):
         )
         return result
 
-    def _settled(self) -> None:
-        """After a chunk or a compression (where reading the device is allowed): the host counts the next decode
-        steps go by, the peak so far, and the layout they decode in (:func:`~h2o_eval.decode.bounded`)."""
-        slots = self.slots
-        held = slots.held.sum(-1)
-        self.most = int(held.max()) if held.numel() else 0
-        self.peak = max(self.peak, self.most)
+    def settle(self) -> None:
+        """After a chunk or a compression (where reading the device is allowed): the peak so far, and the layout the
+        next decode steps go by (:class:`Bounded`, :class:`Dense` or :class:`Ragged`), with its host counts."""
+        held = self.slots.held.sum(-1)
+        most = int(held.max()) if held.numel() else 0
+        self.peak = max(self.peak, most)
+        self.layout = None
         if self.window is not None or self.plan is None or self.shared.deferred:
             return
-        plan = self.plan
-        self.filled, self.count = slots.width, None
-        if self.unbounded:
-            if held.numel() and (self.context.rule.drops or bool((held.amax(-1) > held.amin(-1)).any())):
-                drops = self.context.rule.drops  # its room now: its regrowths read the device (prepare_decode)
-                self._ragged(held.tolist(), bucket(self.most + 1) - self.most if drops else 0)  # heads as they are
-                return
-            self.fill = torch.tensor([self.filled], dtype=torch.int64, device=slots.held.device)
-            return
-        capacity = plan["capacity"]
-        self.largest = int(capacity.max())
-        self.sinks = bool((plan["sinks"] > 0).any())
-        protected = (plan["recent"] + plan["sinks"]).view(-1, 1)
-        self.worst, self.ahead = None, None
-        if self.context.policy.positional:
-            self._scores_ahead()
-        if bool(((capacity < protected) & (capacity < UNBOUNDED)).any()):  # a full head may have no candidate
-            self.worst = torch.full((*capacity.shape, 1), -torch.inf, device=capacity.device)
-        self.moved = True
-        self.slots = bounded(slots, capacity, min(self.largest, bucket(self.most + 1)))
+        if not self.plan.unbounded:
+            self.moved = True
+            self.layout = Bounded(self, most)
+        elif held.numel() and (self.context.rule.drops or bool((held.amax(-1) > held.amin(-1)).any())):
+            room = bucket(most + 1) - most if self.context.rule.drops else 0  # its regrowths read the device
+            self.layout = Ragged(self, held.tolist(), room)  # heads as they are
+        else:
+            self.layout = Dense(self, most)
 
     def faults(self) -> list[str]:
         """What decode steps noted on the device (reading it waits for the device): a full head whose every held
         token was protected."""
-        if self.worst is not None and bool((self.worst == torch.inf).any()):
-            return ["eviction needed but every held token is protected: the plan is inconsistent"]
-        return []
+        return [] if self.layout is None else self.layout.faults()
+
+    def compress_held(self) -> None:
+        """``decoding=interval``: compress what this layer holds to the target by its decoding policy's scores
+        (:func:`~h2o_eval.interval.compression`), as a prompt is compressed."""
+        slots = self._compacted()
+        kept, scores = compression(self.steps, self.context, self.layer_idx, self.seen, slots)
+        if self.layout is not None:
+            self.peak = max(self.peak, self.layout.most)
+        self._keep(Slots(slots.keys, slots.values, kept, slots.position, scores), slots.held)
+        self.settle()
+        self.steps.reset()
+
+    def adopt_rehearsal(self, other: EvictionLayer) -> None:
+        """Take the scores ``other``'s extra passes gave the same deferred prompt
+        (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`)."""
+        if self.window is not None:
+            return
+        if not (torch.equal(self.held, other.held) and torch.equal(self.position, other.position)):
+            raise ValueError("the caches hold different prompts: extra passes are shared by one prompt's caches")
+        self.rehearsed = None if other.rehearsed is None else other.rehearsed.clone()
 
     # -- copies ----------------------------------------------------------------------------------------------------
 
-    def fork(self, context: LayerContext, shared: Sequences, rows: list[int]) -> EvictionLayer:
-        """A copy of this layer's state for sequences ``rows`` (indices), under ``context`` and ``shared``."""
+    def _sibling(self, context: LayerContext, shared: Sequences) -> EvictionLayer:
+        """A new layer of this one's index and window under ``context`` and ``shared``, with its counts of what was
+        fed (its state is the caller's to give)."""
+        layer = EvictionLayer(context, shared, self.layer_idx, self.window)
+        layer.seen, layer.moved, layer.is_initialized, layer.peak = (
+            self.seen,
+            self.moved,
+            self.is_initialized,
+            self.peak,
+        )
+        return layer
+
+    def fork(self, context: LayerContext, shared: Sequences, rows: list[int], full: bool = False) -> EvictionLayer:
+        """A copy of this layer's state for sequences ``rows`` (indices), under ``context`` and ``shared``; ``full``:
+        under the plan of ``context``'s policy (the full cache's, :meth:`EvictionCache.full_copy`), nothing evicted."""
         if self.pending is not None:
             raise RuntimeError("a cache can be forked between forwards only")
-        layer = EvictionLayer(context, shared, self.layer_idx, self.window)
-        for name in ("seen", "moved", "is_initialized", "unbounded", "peak"):
-            setattr(layer, name, getattr(self, name))
+        layer = self._sibling(context, shared)
         if self.slots is not None:
             layer.slots = self._compacted().rows(rows)
         layer.steps = self.steps.rows_of(rows) if context.interval is not None else layer.steps
-        for name in ("kept", "rehearsed"):
-            value = getattr(self, name)
-            setattr(layer, name, None if value is None else value[torch.tensor(rows, device=value.device)])
-        if self.plan is not None:
-            index = torch.tensor(rows, device=self.plan["capacity"].device)
-            layer.plan = {"capacity": self.plan["capacity"][index]}
-            for key in ("recent", "sinks"):
-                layer.plan[key] = shared.shared(tuple(self.plan[key][index].tolist()), index.device)
+        index = None if self.slots is None else torch.tensor(rows, device=self.slots.held.device)
+        layer.kept = None if self.kept is None else self.kept[index]
+        layer.rehearsed = None if self.rehearsed is None else self.rehearsed[index]
+        if self.plan is not None and full:
+            plan = plan_tensors(context.policy, shared.lengths, self.layer_idx, context, shared, index.device)
+            layer.plan = dataclasses.replace(plan, unbounded=True)
+        elif self.plan is not None:
+            layer.plan = self.plan.rows(index, shared)
         if layer.is_initialized:
-            layer._settled()
+            layer.settle()
         return layer
 
     def grown_view(self, context: LayerContext, shared: Sequences) -> EvictionLayer:
@@ -567,15 +642,13 @@ class EvictionLayer(CacheLayerMixin):
         is left as it was."""
         if self.pending is not None:
             raise RuntimeError("a view of a cache is made between forwards only")
-        layer = EvictionLayer(context, shared, self.layer_idx, self.window)
-        for name in ("seen", "moved", "is_initialized", "kept", "peak", "most"):
-            setattr(layer, name, getattr(self, name))
+        layer = self._sibling(context, shared)
+        layer.kept = self.kept
         layer.slots = self._compacted()
-        layer.plan = None if self.plan is None else dict(self.plan)  # a chunk through the view sets its own
-        layer.unbounded = True
-        layer.filled = layer.slots.width
-        if self.window is None and self.plan is not None:
-            layer.fill = torch.tensor([layer.filled], dtype=torch.int64, device=layer.slots.held.device)
+        if self.plan is not None:  # a chunk through the view sets its own
+            layer.plan = dataclasses.replace(self.plan, unbounded=True)
+            if self.window is None:
+                layer.layout = Dense(layer, 0 if self.layout is None else self.layout.most)
         return layer
 
     def realised(self, lengths: torch.Tensor) -> torch.Tensor:
@@ -584,7 +657,7 @@ class EvictionLayer(CacheLayerMixin):
         its own window counts as min(length, window)."""
         if self.window is not None:
             return lengths.clamp(max=self.window).float().view(-1, 1).expand(-1, self.slots.held.shape[1])
-        planned = self.plan["capacity"].clamp(max=UNBOUNDED - 1)
+        planned = self.plan.capacity.clamp(max=UNBOUNDED - 1)
         kept = planned if self.kept is None else torch.minimum(self.kept, planned)
         return torch.minimum(kept, lengths.clamp(min=1).view(-1, 1)).float()
 

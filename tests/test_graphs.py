@@ -232,15 +232,24 @@ def test_a_model_with_sliding_layers_decodes_eagerly_under_emulated_graphs():
     assert caches[1].graphs.replays == 0
 
 
-def test_a_capture_that_raises_leaves_the_cache_decoding_eagerly_with_one_warning(tiny, monkeypatch):
-    """An out-of-memory error in the last layer of a capture, after the other layers wrote their slots: the cache's
-    device and host state are as before the capture, the step and every later one run eagerly with one warning that
-    names the cause and graphs=false, and the run's record says why."""
+def host_counts(cache):
+    """Every layer's host counts: what was fed, and its layout's."""
+    return [(layer.seen, type(layer.layout), vars(layer.layout)) for layer in cache.layers]
+
+
+@pytest.mark.parametrize(("name", "decoding"), [("h2o", "evict"), ("full", "grow")])
+def test_a_capture_that_raises_leaves_the_cache_decoding_eagerly_with_one_warning(tiny, monkeypatch, name, decoding):
+    """An out-of-memory error in the last layer of a capture, after the other layers wrote their slots and moved
+    their counts: the cache's device and host state are as before the capture, the step and every later one run
+    eagerly with one warning that names the cause and graphs=false, and the run's record says why."""
     model, tokenizer = tiny
     ids = torch.randint(5, 400, (2, 40), generator=torch.Generator().manual_seed(8))
-    eager = decode_steps(
-        model, EvictionCache(model, example_policy("h2o", 0.5), protocol="prefill", graphs=False), ids, 8
-    )
+
+    def cache(graphs):
+        return EvictionCache(model, example_policy(name, 0.5), protocol="prefill", decoding=decoding, graphs=graphs)
+
+    reference = cache(False)
+    eager = decode_steps(model, reference, ids, 8)
     capture, advance = RecordedGraph.capture, EvictionLayer.advance
     capturing = {"now": False}
 
@@ -258,15 +267,16 @@ def test_a_capture_that_raises_leaves_the_cache_decoding_eagerly_with_one_warnin
 
     monkeypatch.setattr(RecordedGraph, "capture", failing_capture)
     monkeypatch.setattr(EvictionLayer, "advance", failing_advance)
-    cache = EvictionCache(model, example_policy("h2o", 0.5), protocol="prefill", graphs="emulate")
+    emulated = cache("emulate")
     with pytest.warns(RuntimeWarning, match=r"raised OutOfMemoryError: CUDA out of memory.*graphs=false") as caught:
-        emulated = decode_steps(model, cache, ids, 8)
+        tokens = decode_steps(model, emulated, ids, 8)
     assert len([w for w in caught if "graphs=false" in str(w.message)]) == 1
-    assert torch.equal(emulated, eager)
-    assert cache.graphs.replays == 0 and cache.graphs.failed.startswith("OutOfMemoryError")
+    assert torch.equal(tokens, eager)
+    assert str(host_counts(emulated)) == str(host_counts(reference))
+    assert emulated.graphs.replays == 0 and emulated.graphs.failed.startswith("OutOfMemoryError")
     log = GenerationLog(max_new_tokens=8)
-    log.add(Batch(ids, torch.ones_like(ids)), torch.cat([ids, emulated], 1), cache, 1.0, set())
-    assert log.fields()["generation"]["graphs_failed"] == cache.graphs.failed
+    log.add(Batch(ids, torch.ones_like(ids)), torch.cat([ids, tokens], 1), emulated, 1.0, set())
+    assert log.fields()["generation"]["graphs_failed"] == emulated.graphs.failed
 
 
 def test_a_cache_with_graphs_is_freed_by_reference_counting_alone(tiny):

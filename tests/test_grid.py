@@ -82,7 +82,7 @@ def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkey
     H2O at three budgets and TOVA in one SharedPrompt, where H2O's votes (every prompt row weighed alike) are
     computed once per layer and TOVA's (its last row only) once more. Every cache's held slots and scores are
     exactly the reference's."""
-    from h2o_eval import chunks
+    from h2o_eval.kernels import prompt
 
     model, _ = load_model("tiny-llama", device="cpu")
     ids = torch.randint(5, model.config.vocab_size, (2, 120), generator=torch.Generator().manual_seed(5))
@@ -91,8 +91,8 @@ def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkey
     policies = [make_policy("h2o", b) for b in (0.2, 0.4, 0.6)] + [make_policy("tova", 0.3)]
 
     alone = [fed(model, ids, mask, [p])[0] for p in policies]
-    calls, computed = [], chunks.prompt_votes
-    monkeypatch.setattr(chunks, "prompt_votes", lambda *a, **k: calls.append(1) or computed(*a, **k))
+    calls, computed = [], prompt.column_scores_reference  # what the CPU path's prompt_votes runs
+    monkeypatch.setattr(prompt, "column_scores_reference", lambda *a, **k: calls.append(1) or computed(*a, **k))
     together = fed(model, ids, mask, policies)
     assert len(calls) == 2 * model.config.num_hidden_layers
     for one, other in zip(alone, together, strict=True):
@@ -359,7 +359,7 @@ def test_the_oracles_full_answers_under_context_are_the_full_caches_from_a_copy(
         generation.feed(model, cache, ids, mask)
     for a, b in zip(full.layers, oracle.full_copy().layers, strict=True):
         assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("keys", "values", "held", "position"))
-        assert torch.equal(a.plan["capacity"], b.plan["capacity"]) and a.unbounded and b.unbounded
+        assert torch.equal(a.plan.capacity, b.plan.capacity) and a.plan.unbounded and b.plan.unbounded
     sequences = generation.complete(model, full, batch, tokenizer, **greedy)
     expected = generation.new_tokens(sequences, batch.input_ids.shape[1], generation.end_tokens(tokenizer))
     assert all(len(answer) > 3 for answer in expected) and expected[0] != expected[1]

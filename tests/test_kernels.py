@@ -21,8 +21,8 @@ from h2o_eval.kernels.reference import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime import interpreter
 
-from h2o_eval.chunks import attend_chunk_triton
 from h2o_eval.eviction import attend_chunk_reference
+from h2o_eval.implementation import choose
 from h2o_eval.policies import Rule
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -287,12 +287,13 @@ def test_eviction_scan_kernel_crosses_slot_blocks():
     [(2, (6, 2), 21, 13, "right"), (1, (8, 2), 17, 99, "none"), (2, (4, 4), 19, 11, "left")],
 )
 def test_triton_path_equals_reference_with_prompt_and_compression(rule, batch, heads, n, prefill, padding):
-    """Reference: attend_chunk_reference; implementation: attend_chunk_triton, the whole mechanism on the Triton
-    kernels: the prompt's votes from column_scores, compression (pooling, Ada-KV's shared slots), then the decode
-    rows through eviction_scan (or plain masked attention for rules that grow), with ragged heads and padding."""
+    """Reference: attend_chunk_reference; implementation: the chunk function ``kernels=triton`` chooses, the whole
+    mechanism on the Triton kernels: the prompt's votes from column_scores, compression (pooling, Ada-KV's shared
+    slots), then the decode rows through eviction_scan (or plain masked attention for rules that grow), with ragged
+    heads and padding."""
     query, key, value, chunk = make_chunk(batch, *heads, n, 0, RULES[rule], prefill, padding, dim=64)
     expected = attend_chunk_reference(query, key, value, chunk)
-    result = attend_chunk_triton(query, key, value, chunk)
+    result = choose("triton", query.device).chunk(query, key, value, chunk)
     rows = chunk.arriving.view(batch, 1, n, 1).expand_as(result.output)
     torch.testing.assert_close(result.output[rows], expected.output[rows], rtol=1e-5, atol=1e-5)
     assert torch.equal(result.held, expected.held)

@@ -16,6 +16,7 @@ from h2o_eval.capacity import CapacityLog
 from h2o_eval.chunks import attend_chunk
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import attend_chunk_reference
+from h2o_eval.layer import Ragged
 from h2o_eval.policies import Rule, configured_policy
 from h2o_eval.settings import policy_departures
 
@@ -276,4 +277,4 @@ def test_a_decode_step_that_drops_reads_no_tensor_on_the_host(tiny):
     policy = make_policy("dms", threshold=THRESHOLD, sliding_window=WINDOW, decoding=True)
     cache = EvictionCache(model, policy, protocol="context", kernels="torch")
     assert decode_reads(model, tokenizer, cache, prompt, mask) == []
-    assert all(layer.count is not None for layer in cache.layers)  # the ragged layout, room included
+    assert all(isinstance(layer.layout, Ragged) for layer in cache.layers)  # the ragged layout, room included

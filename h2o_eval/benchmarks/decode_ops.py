@@ -9,28 +9,49 @@ computes (views such as ``view``, ``expand`` or ``transpose`` make no launch and
 forwards of one token after a ``--prompt``-token prefill, divided by layers x steps. ``plain`` is the model's own
 SDPA attention with a ``DynamicCache``; every other row is an EvictionCache in the prefill protocol at
 ``--budget`` (``grow``: nothing evicted after the prompt's compression), and its ``added`` column is its count
-minus plain's.
+minus plain's. ``files``: the project's source files whose functions those forwards run (gpt-fast's decode step
+runs in 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+REPO = Path(__file__).resolve().parents[2]
 # Policies whose cache differs only in its scores' source from one already listed run the same decode step; the
 # default rows cover every decode step there is (votes added, replaced, per layer, none; sinks; grow).
 POLICIES = ("full", "h2o", "tova", "local", "streaming", "knorm", "random", "snapkv", "adakv", "kvzip")
 
 
 class ComputingOps(TorchDispatchMode):
-    """Counts the aten ops that compute (not views) dispatched while active, by name."""
+    """Counts the aten ops that compute (not views) dispatched while active, by name, and notes the project's source
+    files whose functions run (``files``, relative to the repository)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.files: set[str] = set()
+
+    def __enter__(self):
+        sys.setprofile(self._profile)
+        return super().__enter__()
+
+    def __exit__(self, *args):
+        sys.setprofile(None)
+        return super().__exit__(*args)
+
+    def _profile(self, frame, event, arg) -> None:
+        if event == "call":
+            path = Path(frame.f_code.co_filename)
+            inside = path.is_relative_to(REPO) and path.parts[len(REPO.parts)] in ("h2o_eval", "kernels")
+            if inside and path.parent.name != "benchmarks":  # the counting itself is no part of the step
+                self.files.add(str(path.relative_to(REPO)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not func.is_view:
@@ -70,17 +91,18 @@ def count(model, tokenizer, policy: str | None, decoding: str, prompt: int, step
     return counter
 
 
-def table(model_name: str, prompt: int, steps: int, budget: float, policies: list[str]) -> list[tuple[str, float]]:
-    """Rows (setting, computing ops per layer and step), plain first."""
+def table(model_name: str, prompt: int, steps: int, budget: float, policies: list[str]) -> list[tuple[str, float, int]]:
+    """Rows (setting, computing ops per layer and step, project files run), plain first."""
     from h2o_eval.models import load_model
 
     model, tokenizer = load_model(model_name, device="cpu")
     layers = model.config.num_hidden_layers
-    rows = [("plain", count(model, tokenizer, None, "evict", prompt, steps, budget).total / layers / steps)]
+    plain = count(model, tokenizer, None, "evict", prompt, steps, budget)
+    rows = [("plain", plain.total / layers / steps, len(plain.files))]
     for name in policies:
         for decoding in ("evict", "grow"):
             ops = count(model, tokenizer, name, decoding, prompt, steps, budget)
-            rows.append((f"{name} {decoding}", ops.total / layers / steps))
+            rows.append((f"{name} {decoding}", ops.total / layers / steps, len(ops.files)))
     return rows
 
 
@@ -95,10 +117,10 @@ def main() -> None:
     rows = table(args.model, args.prompt, args.steps, args.budget, args.policies)
     plain = rows[0][1]
     print(f"{args.model}, {args.prompt}-token prompt, {args.steps} decode steps, budget {args.budget}")
-    print("| setting | ops per layer and step | added |")
-    print("|---|---:|---:|")
-    for setting, ops in rows:
-        print(f"| {setting} | {ops:.1f} | {ops - plain:+.1f} |")
+    print("| setting | ops per layer and step | added | files |")
+    print("|---|---:|---:|---:|")
+    for setting, ops, files in rows:
+        print(f"| {setting} | {ops:.1f} | {ops - plain:+.1f} | {files} |")
 
 
 if __name__ == "__main__":

@@ -164,8 +164,9 @@ def decode_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None
 
 
 def scan_case(args: argparse.Namespace, length: int, peak_gbps: float) -> None:
-    from h2o_eval.chunks import attend_chunk_triton
+    from h2o_eval.implementation import choose
 
+    attend_chunk_triton = choose("triton", torch.device(DEVICE)).chunk
     plan = make_policy("h2o", budget=args.budget).plan(length)
     query, key, value = random_qkv(args, length, length)
     per_sequence = torch.ones(args.batch, dtype=torch.int64, device=DEVICE)
