@@ -15,9 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from h2o_eval.composed import plain_config
-from h2o_eval.errors import ConfigError
-from h2o_eval.names import unknown_names
-from h2o_eval.run import execute, fail, record_failure, validate
+from h2o_eval.errors import ConfigError, fail
+from h2o_eval.names import unknown_keys, unknown_names
 from h2o_eval.threads import default_threads
 
 STATUS_FILE = "status.json"
@@ -28,6 +27,8 @@ def main(cfg: DictConfig) -> str:
     """One run. In a sweep a failing run does not stop the others: its error goes to a record of its own, with its
     traceback (the terminal gets one ``failed:`` line), and every job leaves ``status.json`` (ran, skipped or
     failed) for the sweep's summary."""
+    from h2o_eval.run import execute, record_failure, validate  # torch, transformers: after the names were checked
+
     hydra_config = HydraConfig.get()
     work_dir = Path(hydra_config.runtime.output_dir)
     sweeping = hydra_config.mode == RunMode.MULTIRUN
@@ -72,11 +73,13 @@ def given_settings(cfg: DictConfig) -> dict[str, Any]:
 
 
 def check_names(argv: list[str]) -> None:
-    """An unknown name on the command line (``policy=nope``, in a sweep too) stops the app before Hydra composes a
-    config: one line each, listing the names to use, and exit status 2."""
+    """An unknown name on the command line (``policy=nope``, in a sweep too) or a key the config does not define
+    (``budjet=0.2``, ``+budjet=0.2``) stops the app before Hydra composes a config and before torch loads: one line,
+    naming what to use, and exit status 2."""
     from hydra._internal.utils import get_args_parser
 
-    if unknown := unknown_names(get_args_parser().parse_args(argv).overrides):
+    overrides = get_args_parser().parse_args(argv).overrides
+    if unknown := unknown_names(overrides) or unknown_keys(overrides):
         fail(*unknown)
 
 

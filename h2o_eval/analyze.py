@@ -30,9 +30,8 @@ from typing import Any
 import torch
 
 from h2o_eval import figures
-from h2o_eval.errors import ConfigError
+from h2o_eval.errors import ConfigError, fail
 from h2o_eval.models import load_model
-from h2o_eval.run import fail
 from h2o_eval.runners import lmeval, task_registry
 
 THRESHOLD = 0.01

@@ -22,7 +22,8 @@ class ValidateFirst(Callback):
     job; under ``on_error=skip`` the invalid jobs fail in their turn (:func:`h2o_eval.__main__.main`)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from h2o_eval.run import fail, validate
+        from h2o_eval.errors import fail
+        from h2o_eval.run import validate
 
         try:
             validate(plain_config(config))
@@ -33,9 +34,10 @@ class ValidateFirst(Callback):
         from hydra.core.global_hydra import GlobalHydra
         from hydra.errors import HydraException
 
+        from h2o_eval.errors import fail
         from h2o_eval.grid import expand, one_line, refusal
         from h2o_eval.names import unknown_names
-        from h2o_eval.run import fail, validate
+        from h2o_eval.run import validate
 
         params = config.hydra.sweeper.get("params") or {}
         # the jobs as Hydra's basic sweeper makes them: the preset's sweeps, then the command line's over them

@@ -48,10 +48,11 @@ def rows(config: dict[str, Any], tokenizer: Any) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str]) -> None:
+    from h2o_eval.errors import fail
     from h2o_eval.grid import compose
     from h2o_eval.models import load_tokenizer
     from h2o_eval.results import write_jsonl
-    from h2o_eval.run import fail, validate
+    from h2o_eval.run import validate
     from h2o_eval.runners import runner_of
 
     outs = [arg for arg in argv if arg.startswith("out=")]

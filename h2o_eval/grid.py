@@ -61,7 +61,8 @@ def refusal(cell: list[str], cells: list[list[str]], error: object) -> str:
     """One line for a cell of a sweep that cannot run: the overrides that set it apart from the other ``cells``
     (``budget=1.5``), then why."""
     swept = [override for i, override in enumerate(cell) if len({other[i] for other in cells}) > 1]
-    return f"{' '.join(swept)}: {error}" if swept else str(error)
+    named = [override for override in swept if not str(error).startswith(f"{override}:")]  # the error names it
+    return f"{' '.join(named)}: {error}" if named else str(error)
 
 
 def one_line(error: Exception) -> str:
@@ -115,11 +116,12 @@ def main(argv: list[str]) -> None:
     invalid ones are refused (a line each, and exit status 1 at the end) and the others run. Cells with records
     are skipped, the rest computed."""
     from h2o_eval import results
-    from h2o_eval.names import unknown_names
-    from h2o_eval.run import compute, execute, existing, fail, summary_line, validate
+    from h2o_eval.errors import fail
+    from h2o_eval.names import unknown_keys, unknown_names
+    from h2o_eval.run import compute, execute, existing, summary_line, validate
 
     overrides = preset_sweep(argv)
-    if unknown := unknown_names(overrides):
+    if unknown := unknown_names(overrides) or unknown_keys(overrides):
         fail(*unknown)
     swept = expand(overrides)
     try:

@@ -32,10 +32,9 @@ import yaml
 from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 
-from h2o_eval.errors import ConfigError
+from h2o_eval.errors import ConfigError, fail
 from h2o_eval.eviction_lm import MODEL_NAME, EvictionLM, check_settings
 from h2o_eval.policies import Policy
-from h2o_eval.run import fail
 
 register_model(MODEL_NAME)(EvictionLM)
 

@@ -1,8 +1,12 @@
 """The names a command line picks from the config groups (``model=``, ``task=``, ``policy=``, ``+experiment=``,
-``+sweep=``), checked before Hydra composes anything: Hydra's own message for an unknown one is 26 lines and a
-search path, this is one line that lists the names to use."""
+``+sweep=``) and the keys it sets, checked before any model or library of the evaluation loads: Hydra's own message
+for an unknown name is 26 lines and a search path, and for an unknown key 7 lines that advise adding it with
+``+``; these are one line each, naming what to use."""
 
 from __future__ import annotations
+
+import difflib
+import re
 
 from h2o_eval.conf import listed, options
 
@@ -35,3 +39,66 @@ def unknown_names(overrides: list[str]) -> list[str]:
             if value not in known and value != "null":  # null deselects a group's default
                 found[f"{key}={value}: no {group} of that name: use one of {names}"] = None
     return list(found)
+
+
+def _first_values(overrides: list[str]) -> list[str]:
+    """``overrides`` as one job of their sweep: each swept key at its first value."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0][0]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _closest(key: str, known) -> str:
+    found = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
+    return f"did you mean {found[0]}?" if found else f"use one of {', '.join(sorted(known))}"
+
+
+def unknown_keys(overrides: list[str]) -> list[str]:
+    """One message for a key ``overrides`` set that the config does not define, with or without ``+``: a top-level
+    key (``budjet=0.2``, ``+budjet=0.2``), or a key of a group's chosen option (``task.lenght=5``), naming the
+    closest known key. A key added with ``+`` inside a group is left to that group's own check (a task's settings,
+    a policy's parameters). Overrides Hydra cannot parse or compose for another reason are left to Hydra."""
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+
+    try:
+        job = _first_values(overrides)
+    except HydraException:
+        return []
+    try:
+        config = _compose([o for o in job if not _adds_top_level(o)])
+    except HydraException as error:
+        missing = re.search(r"Could not override '([^']+)'", str(error))
+        if missing is None:
+            return []
+        key = missing.group(1)
+        given = next(o for o in job if o.lstrip("+~").split("=", 1)[0] == key)
+        parent, _, leaf = key.rpartition(".")
+        try:
+            base = _compose([o for o in job if o != given and not o.startswith("+")])
+        except HydraException:
+            return []
+        node = OmegaConf.select(base, parent) if parent else base
+        known = list(node.keys()) if node is not None and OmegaConf.is_dict(node) else []
+        where = f"{parent} has" if parent else "the config has"
+        return [f"{given}: {where} no setting {leaf!r}: {_closest(leaf, known)}"]
+    known = set(config.keys())
+    for override in filter(_adds_top_level, job):
+        key = override.lstrip("+").split("=", 1)[0]
+        if key not in known:
+            return [f"{override}: the config has no setting {key!r}: {_closest(key, known)}"]
+    return []
+
+
+def _adds_top_level(override: str) -> bool:
+    """Whether ``override`` adds a top-level key (``+budjet=1``), not a group's option (``+experiment=...``)."""
+    added = re.match(r"\+\+?([^./=]+)=", override)
+    return added is not None and added.group(1) not in GROUPS

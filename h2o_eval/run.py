@@ -16,7 +16,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from h2o_eval import results, settings, tracking
 from h2o_eval.errors import ConfigError
@@ -382,10 +382,3 @@ def summary_line(record: dict[str, Any], found: dict[str, Any]) -> str:
         f"{protocol} {record['num_fewshot']}-shot{''.join(f' {o}' for o in others)} "
         f"| n={record['n_samples']} | {scores} | {record['wall_seconds']:.1f} s"
     )
-
-
-def fail(*errors: ConfigError | str) -> NoReturn:
-    """Stop with one line ``error: ...`` per error and exit status 2 (bad input)."""
-    for error in errors:
-        print(f"error: {error}", file=sys.stderr)
-    sys.exit(2)

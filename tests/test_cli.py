@@ -128,6 +128,32 @@ def test_an_unknown_name_is_one_line_listing_the_public_names(tmp_path, args, li
     assert done.stdout == "" and not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["budjet=0.5"], "budjet=0.5: the config has no setting 'budjet': did you mean budget?"),
+        (["+budjet=0.5", "limit=2"], "+budjet=0.5: the config has no setting 'budjet': did you mean budget?"),
+        (["--multirun", "budget=0.1,0.2", "+budjet=0.5"], "+budjet=0.5: the config has no setting 'budjet'"),
+        (["policy=snapkv", "policy.windw=4"], "policy.windw=4: policy has no setting 'windw': did you mean window?"),
+    ],
+    ids=["typo", "added-typo", "multirun", "in-a-group"],
+)
+def test_a_key_the_config_does_not_define_is_one_line_naming_the_closest_and_torch_never_loads(tmp_path, args, line):
+    """With or without ``+``, top-level or inside a group: refused in one line before Hydra composes anything, and
+    before torch is imported (``-X importtime`` lists every module the refusal imported)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "h2o_eval", *args, "results_dir=out"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [row for row in done.stderr.splitlines() if not row.startswith("import time:")]
+    assert errors == [f"error: {line}"] or (len(errors) == 1 and errors[0].startswith(f"error: {line}")), errors
+    imported = {row.split("|")[-1].strip() for row in done.stderr.splitlines() if row.startswith("import time:")}
+    assert "torch" not in imported and "transformers" not in imported
+    assert done.stdout == "" and not list(tmp_path.iterdir())
+
+
 def test_the_model_list_leaves_out_the_random_test_models_that_still_run_when_named(tmp_path):
     """The tiny random models of the tests and the shape models of the benchmarks work when named, but no list of
     names shows them."""

@@ -467,6 +467,16 @@ def test_the_grid_refuses_a_task_setting_its_task_does_not_take_in_one_line(tmp_
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("typo", ["budjet=0.5", "+budjet=0.5"])
+def test_the_grid_refuses_a_key_the_config_does_not_define_in_one_line(tmp_path, capsys, typo):
+    with pytest.raises(SystemExit) as stopped:
+        grid.main(["+experiment=kv_leaderboard_quick", "model=tiny-llama", typo, f"results_dir={tmp_path / 'r'}"])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error == f"error: {typo}: the config has no setting 'budjet': did you mean budget?"
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_the_grids_wandb_runs_go_under_results_dir_and_nothing_into_the_temporary_folder(data_dir, tmp_path):
     """The grid's W&B offline runs land in ``<results_dir>/wandb/``; the system's temporary folder (``TMPDIR``) is

@@ -133,15 +133,15 @@ def test_a_failing_job_is_recorded_the_others_run_and_a_fixed_rerun_removes_its_
     [
         (
             ["budget=0.2,1.5"],
-            ["error: budget=1.5: budget=1.5: use a fraction in (0, 1]"],
+            ["error: budget=1.5: use a fraction in (0, 1]"],
         ),
         (
             ["task=copa,rte", "budget=0.2,1.5", "protocol=simulate,prefill"],
             [
-                "error: task=copa budget=1.5 protocol=simulate: budget=1.5: use a fraction in (0, 1]",
-                "error: task=copa budget=1.5 protocol=prefill: budget=1.5: use a fraction in (0, 1]",
-                "error: task=rte budget=1.5 protocol=simulate: budget=1.5: use a fraction in (0, 1]",
-                "error: task=rte budget=1.5 protocol=prefill: budget=1.5: use a fraction in (0, 1]",
+                "error: task=copa protocol=simulate: budget=1.5: use a fraction in (0, 1]",
+                "error: task=copa protocol=prefill: budget=1.5: use a fraction in (0, 1]",
+                "error: task=rte protocol=simulate: budget=1.5: use a fraction in (0, 1]",
+                "error: task=rte protocol=prefill: budget=1.5: use a fraction in (0, 1]",
             ],
         ),
         (
