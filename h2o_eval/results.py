@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -194,20 +194,29 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 def exclusive(record: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``record``'s setting: one process computes it while the others wait.
 
-    The lock is the operating system's (``flock``), so a killed process releases it. A process that has to
-    wait says so, and for which record.
+    The lock is the operating system's (``flock``) on a file beside the record, so a killed process releases it. A
+    process that has to wait says so, and for which record. The holder removes the file when it is done (no lock
+    file outlives its run); a process that then gets the lock of a removed file takes the lock anew.
     """
     record.parent.mkdir(parents=True, exist_ok=True)
-    with (record.parent / f".{record.stem}.lock").open("w") as handle:
+    path = record.parent / f".{record.stem}.lock"
+    while True:
+        handle = path.open("w")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"waiting: another process is computing {record.name} (it holds {handle.name})", flush=True)
             fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        with suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino:
+                break
+        handle.close()  # its holder removed this file: lock the one now there
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
 
 
 def read_record(path: Path) -> dict[str, Any]:

@@ -333,6 +333,29 @@ def test_a_run_waiting_for_the_lock_says_what_it_waits_for(tmp_path, capsys):
     assert entered.is_set()
     lock = tmp_path / ".setting.lock"
     assert capsys.readouterr().out == f"waiting: another process is computing setting.json (it holds {lock})\n"
+    assert not lock.exists()
+
+
+def test_runs_queued_on_a_lock_hold_it_one_at_a_time_and_leave_no_lock_file(tmp_path):
+    """Its holder removes the lock file as it leaves; runs that waited on the removed file lock the next one, so
+    that no two ever hold the setting at once."""
+    record, inside, most = tmp_path / "setting.json", [], []
+
+    def run(arrives: float):
+        time.sleep(arrives)  # some queue on a file its holder then removes, some come after it was removed
+        with results.exclusive(record):
+            inside.append(1)
+            most.append(len(inside))
+            time.sleep(0.05)
+            inside.pop()
+
+    runs = [threading.Thread(target=run, args=(0.02 * i,)) for i in range(6)]
+    for thread in runs:
+        thread.start()
+    for thread in runs:
+        thread.join(20)
+    assert len(most) == 6 and max(most) == 1
+    assert not list(tmp_path.glob(".*.lock"))
 
 
 @pytest.fixture
