@@ -176,6 +176,7 @@ def test_the_model_list_leaves_out_the_random_test_models_that_still_run_when_na
             ("protocol=stream", "protocol='stream': use one of simulate, prefill"),
             ("data_dir=nowhere", "nowhere/copa/validation.jsonl: put it there or change data_dir="),
             ("graphs=maybe", "graphs='maybe': use true, false or emulate"),
+            ("threshold=abc", "threshold='abc': use a number"),
         ],
         lambda case: case[0] == "budget=1.5",
     ),

@@ -37,7 +37,7 @@ def test_without_cuda_the_benchmark_refuses_in_one_line_before_loading_a_model(m
     [
         (["--new-tokens", "1"], r"--new-tokens 1: .*at least 2"),
         (["--policies", "h2o_reference"], r"--policies h2o_reference: .*no cache"),
-        (["--policies", "nonsense"], r"unknown policy 'nonsense'"),
+        (["--policies", "nonsense"], r"policy=nonsense: no policy of that name"),
         (["--lengths", "4000"], r"--lengths 4000 .* 2048 positions: use shorter prompts"),
         (["--batch", "0"], r"--batch integers >= 1 or max"),
         (["--rounds", "0"], r"--rounds 0: use at least 1"),

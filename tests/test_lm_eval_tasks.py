@@ -293,7 +293,11 @@ def test_lm_eval_cli_reads_local_data_as_h2o_eval_does(tmp_path, data_dir):
 @pytest.mark.parametrize(
     ("model_args", "extra", "message"),
     [
-        ("pretrained=tiny-llama,policy=h2oo", [], "unknown policy 'h2oo': use one of adakv, chunkkv"),
+        (
+            "pretrained=tiny-llama,policy=h2oo",
+            [],
+            "policy=h2oo: no policy of that name: use one of adakv, block, chunk,",
+        ),
         ("pretrained=tiny-llama,budget=1.5", [], "budget=1.5: use a fraction in (0, 1]"),
         ("pretrained=tiny-llama,heavy_ratioo=0.3", [], "policy 'h2o' takes no heavy_ratioo: its parameters are"),
         ("pretrained=tiny-llama,protocol=strem", [], "protocol='strem': use one of simulate, prefill"),

@@ -76,7 +76,9 @@ def test_every_plan_leaves_room_for_an_eviction_candidate():
 
 
 def test_unknown_policy_lists_the_valid_names():
-    with pytest.raises(ConfigError, match=r"unknown policy 'lru': use one of adakv, chunkkv, compactor, criticalkv"):
+    with pytest.raises(
+        ConfigError, match=r"^policy=lru: no policy of that name: use one of adakv, block, chunk, chunkkv"
+    ):
         make_policy("lru")
 
 

@@ -278,3 +278,12 @@ def test_a_decode_step_that_drops_reads_no_tensor_on_the_host(tiny):
     cache = EvictionCache(model, policy, protocol="context", kernels="torch")
     assert decode_reads(model, tokenizer, cache, prompt, mask) == []
     assert all(isinstance(layer.layout, Ragged) for layer in cache.layers)  # the ragged layout, room included
+
+
+def test_make_policy_takes_a_threshold_wherever_it_takes_a_budget():
+    """``make_policy(name, threshold=T)`` is ``dms`` over ``name`` at T (the CLI's ``threshold=``); a threshold that
+    is not a number is refused naming what was given, and dms's own threshold stays its own."""
+    assert make_policy("knorm", threshold=-2.0) == make_policy("dms", base="knorm", threshold=-2.0)
+    assert make_policy("snapkv", threshold=0.1, window=4).base == make_policy("snapkv", 1.0, window=4)
+    with pytest.raises(ConfigError, match=r"^threshold='abc': use a number"):
+        make_policy("knorm", threshold="abc")

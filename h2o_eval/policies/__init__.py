@@ -77,9 +77,11 @@ def _parameters(cls: type[Policy]) -> set[str]:
     return {f.name for f in fields(cls) if f.init} - {"budget", "rounding", "base"}
 
 
-def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
+def make_policy(name: str, budget: float | int = 0.2, threshold: float | None = None, **params: Any) -> Policy:
     """The policy ``name`` with ``budget`` and its own parameters (``heavy_ratio``, ``sinks``, ``window`` ...);
-    ``rounding`` (how a fraction budget becomes C) applies to every policy.
+    ``rounding`` (how a fraction budget becomes C) applies to every policy. A ``threshold`` instead of a budget makes
+    the policy the base of ``dms`` at that threshold (kvpress's DMSPress: tokens older than its window that score
+    below it go), whatever the budget.
 
     A wrapper (``adakv``, ``criticalkv``) takes ``base`` (a policy name; each wrapper has a default) and its own
     parameters (``alpha``; ``epsilon``, ``first_stage_ratio``); its other parameters go to the base policy. The
@@ -87,7 +89,15 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
     has ``use_vnorm=false``, kvpress's ``critical_expected_attention``); given ones override them.
     """
     if name not in POLICIES:
-        raise ConfigError(f"unknown policy {name!r}: use one of {', '.join(POLICIES)}")
+        raise ConfigError(f"policy={name}: no policy of that name: use one of {', '.join(sorted(POLICIES))}")
+    if threshold is not None:
+        if name == "dms" and "threshold" in params:
+            raise ConfigError("threshold=... wraps the policy in dms, and policy=dms has its own: give one of them")
+        if name != "dms":
+            if isinstance(threshold, bool) or not isinstance(threshold, int | float):
+                raise ConfigError(f"threshold={threshold!r}: use a number (tokens below it go), or null for a budget")
+            return make_policy("dms", budget, base=name, threshold=threshold, **params)
+        params["threshold"] = threshold
     cls = POLICIES[name]
     if issubclass(cls, Wrapper):
         own = {key: params.pop(key) for key in _parameters(cls) if key in params}
@@ -103,7 +113,7 @@ def make_policy(name: str, budget: float | int = 0.2, **params: Any) -> Policy:
     if unknown := set(params) - own - {"rounding"}:
         raise ConfigError(
             f"policy {name!r} takes no {', '.join(sorted(unknown))}: its parameters are "
-            f"{', '.join(sorted(own)) or 'budget only'}"
+            f"{', '.join(sorted(own)) or 'none of its own'}, with budget, rounding and threshold as every policy"
         )
     if cls is Full:
         return Full(**{key: params[key] for key in ("rounding",) if key in params})
@@ -115,12 +125,9 @@ def configured_policy(config: Mapping[str, Any]) -> Policy:
     ``budget``, rounded as its ``rounding`` says; with a ``threshold`` (not null), that policy as the base of
     ``dms`` at that threshold instead of a budget."""
     params = {key: value for key, value in config["policy"].items() if key != "name"}
-    name = config["policy"]["name"]
-    if config.get("threshold") is not None:
-        params, name = {"base": name, "threshold": config["threshold"], **params}, "dms"
-        if params["base"] == "dms":
-            raise ConfigError("threshold=... wraps the policy in dms, and policy=dms has its own: give one of them")
-    return make_policy(name, budget=config["budget"], rounding=config["rounding"], **params)
+    return make_policy(
+        config["policy"]["name"], config["budget"], config.get("threshold"), rounding=config["rounding"], **params
+    )
 
 
 def configured_interval(config: Mapping[str, Any], policy: Policy) -> Interval | None:
