@@ -173,3 +173,21 @@ def test_every_registered_policy_has_its_row_in_the_policies_table_and_its_confi
     assert sorted(rows) == sorted(POLICIES), "docs/policies.md's table and the policies in h2o_eval/policies/ differ"
     configs = {path.stem for path in (REPO / "conf" / "policy").glob("*.yaml")}
     assert configs == set(POLICIES), "conf/policy/ and the policies in h2o_eval/policies/ differ"
+
+
+def test_the_readme_and_the_leaderboard_page_count_the_policies_and_name_each_as_the_preset_sweeps_it():
+    """README's count is the registry's; the leaderboard page names every policy, those the preset sweeps first, and
+    both state the preset's share of them."""
+    import yaml
+
+    from h2o_eval.policies import POLICIES
+
+    preset = yaml.safe_load((REPO / "conf" / "experiment" / "kv_leaderboard.yaml").read_text())
+    swept = preset["hydra"]["sweeper"]["params"]["policy"].split(",")
+    readme, board = ((REPO / name).read_text() for name in ("README.md", "docs/leaderboard.md"))
+    share = f"{len(swept)} of the {len(POLICIES)} policies"
+    assert f"the {len(POLICIES)} policies of" in readme and share in readme.replace("\n", " ") and share in board
+    section = board[board.index("## The policies it sweeps") : board.index("## A smoke test")]
+    sweeps, rest = section.split(f"Of the {len(POLICIES)},")
+    assert set(re.findall(r"`([a-z_0-9]+)`", sweeps)) == set(swept)
+    assert set(POLICIES) - set(swept) <= set(re.findall(r"`([a-z_0-9]+)`", rest))
