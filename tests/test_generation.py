@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import weakref
 
 import pytest
@@ -423,3 +424,44 @@ def test_min_new_tokens_in_the_prefill_protocol_gives_that_many_tokens_without_a
         )  # fmt: skip
     assert sequences.shape == (2, 46)
     assert not [w for w in caught if "length" in str(w.message).lower()], [str(w.message) for w in caught]
+
+
+def test_answering_counts_each_cells_answers_as_they_come_and_redraws_between_them(tiny, monkeypatch):
+    """One batch of 3 documents of 2 questions, 3 cells: the bar counts each cell's answers as that cell finishes
+    (6 at a time, up to 18), not the batch's at its end, shows what it does now, and redraws itself between units
+    (here every 10 ms), so that a long prompt pass still shows the run alive."""
+    from h2o_eval.generation import log
+    from h2o_eval.generation.answering import Cell, Document, Settings, answer
+    from h2o_eval.policies import example_policy
+
+    model, tokenizer = tiny
+    seen, redraws, phases = [], [], []
+    progress = log.Progress
+
+    class Watched(progress):
+        def __init__(self, total, description, unit):
+            super().__init__(total, description, unit, every=0.01)
+            seen.append(("total", total))
+            original = self.bar.refresh
+            self.bar.refresh = lambda *a, **k: redraws.append(1) or original(*a, **k)
+
+        def update(self, count):
+            seen.append(count)
+            time.sleep(0.05)
+            super().update(count)
+
+        def phase(self, text):
+            phases.append(text)
+            super().phase(text)
+
+    monkeypatch.setattr("h2o_eval.generation.answering.Progress", Watched)
+    generator = torch.Generator().manual_seed(1)
+    documents = [
+        Document(torch.randint(5, 400, (30,), generator=generator).tolist(),
+                 [torch.randint(5, 400, (3,), generator=generator).tolist() for _ in range(2)])
+        for _ in range(3)
+    ]  # fmt: skip
+    cells = [Cell(example_policy(name, 0.5), "context") for name in ("full", "h2o", "knorm")]
+    answer(model, tokenizer, cells, documents, Settings(3, batch_size=3))
+    assert seen == [("total", 18), 3, 3, 3, 3, 3, 3]  # a cell answers one question group of 3 rows at a time
+    assert phases[0] == "documents 1-3: contexts" and len(redraws) >= 5

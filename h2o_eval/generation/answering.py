@@ -88,7 +88,7 @@ def answer(
     run = _Answering(model, tokenizer, cells, documents, settings)
     protocols = sorted({cell.protocol for cell in cells})
     questions = sum(len(document.questions) for document in documents)
-    run.progress = Progress(questions * len(protocols), label, "question")
+    run.progress = Progress(questions * len(cells), label, "answer")
     for protocol in protocols:
         members = [i for i, cell in enumerate(cells) if cell.protocol == protocol]
         if protocol == "context":
@@ -143,6 +143,7 @@ class _Answering:
         answers = self.answers[i]
         generated = answers.log.add(batch, sequences, cache, seconds, self.ends)
         answers.rows += [(d, k, g) for (d, k), g in zip(units, generated, strict=True)]
+        self.progress.update(len(units))
 
     def _settle(self, caches: dict[int, EvictionCache], ids, mask) -> dict[int, float]:
         """Compress the cells' deferred contexts after their policies' extra passes (not the oracle's, whose passes
@@ -177,6 +178,7 @@ class _Answering:
         for start in range(0, len(self.documents), size):
             indices = list(range(start, min(start + size, len(self.documents))))
             items = [self.documents[d] for d in indices]
+            self.progress.phase(f"documents {indices[0] + 1}-{indices[-1] + 1}: contexts")
             self.answered = {}
             contexts = make_batch(
                 [item.context for item in items], [[] for _ in items], self.tokenizer.pad_token_id, self.device,
@@ -194,6 +196,7 @@ class _Answering:
                 for n in sorted({len(item.questions[k]) for item in items if len(item.questions) > k})
             ]
             ids, mask = contexts.input_ids, contexts.attention_mask
+            self.progress.phase(f"documents {indices[0] + 1}-{indices[-1] + 1}: answering")
             settled = self._settle(caches, ids, mask)
             batches = []
             for k, rows in groups:
@@ -213,7 +216,6 @@ class _Answering:
                     last = position == len(batches) - 1 and len(rows) == len(items)
                     self._answer(i, cache if last else cache.fork(rows), batch, seconds, units)
                     seconds = 0.0
-            self.progress.update(sum(len(item.questions) for item in items))
 
     def _answer_together(self, caches: dict[int, EvictionCache], batches: list, share: float, settled: dict) -> None:
         """``stack``: each group of questions is answered by every cell in ``caches`` (compressed, under
@@ -276,6 +278,7 @@ class _Answering:
         size = self.settings.batch_size
         for start in range(0, len(units), size):
             chunk = units[start : start + size]
+            self.progress.phase(f"prompts {start + 1}-{start + len(chunk)} of {len(units)}")
             self.answered = {}
             batch = make_batch(
                 [self.documents[d].context for d, _ in chunk], [self.documents[d].questions[k] for d, k in chunk],
@@ -285,7 +288,6 @@ class _Answering:
                 for i in members:
                     cache = self._caches([i], protocol)[i]
                     self._answer(i, cache, batch, 0.0, chunk)
-                self.progress.update(len(chunk))
                 continue
             caches = self._caches(members, protocol)
             began = time.perf_counter()
@@ -305,4 +307,3 @@ class _Answering:
                 began = time.perf_counter()
                 sequences = complete(self.model, cache, extended, self.tokenizer, self.answered, **self.greedy)
                 self._keep(i, batch, sequences, cache, share + time.perf_counter() - began, chunk)
-            self.progress.update(len(chunk))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,16 +16,29 @@ from h2o_eval.generation.batches import Batch, new_tokens
 
 
 class Progress:
-    """A progress bar over a run's units (documents, questions) that also says once, after the first batch, about
-    how long the rest will take (a line in a log, where the bar's own estimate is overwritten)."""
+    """A progress bar over a run's units (documents; a cell's answer to a question), with the time left by the bar's
+    rate. It also says once, after the first units, about how long the rest will take (a line in a log, where the
+    bar's own estimate is overwritten), and redraws itself every ``every`` seconds between units, with what is
+    being done now (:meth:`phase`), so that a long prompt pass still shows the run alive."""
 
-    def __init__(self, total: int, description: str, unit: str) -> None:
+    def __init__(self, total: int, description: str, unit: str, every: float = 30.0) -> None:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, desc=description, unit=unit)
         self.total, self.description, self.unit = total, description, unit
         self.began = time.perf_counter()
         self.told = False
+        self.stopped = threading.Event()
+        self.redraws = threading.Thread(target=self._redraw, args=(every,), daemon=True)
+        self.redraws.start()
+
+    def _redraw(self, every: float) -> None:
+        while not self.stopped.wait(every):
+            self.bar.refresh()
+
+    def phase(self, text: str) -> None:
+        """Show what the run does now (``documents 1-8: contexts``) beside the bar, at once."""
+        self.bar.set_postfix_str(text, refresh=True)
 
     def update(self, count: int) -> None:
         self.bar.update(count)
@@ -40,6 +54,8 @@ class Progress:
             self.told = True
 
     def close(self) -> None:
+        self.stopped.set()
+        self.redraws.join()
         self.bar.close()
 
 
