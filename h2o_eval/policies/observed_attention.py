@@ -4,7 +4,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
 
 from h2o_eval.policies.base import Plan, Policy, Rule
 from h2o_eval.policies.inputs import Prompt, query_projection
@@ -60,6 +59,8 @@ class ObservedAttention(Policy):
         query = query_projection(held.module, hidden, heads_all, dim)[0].float()  # [Hq, m, D]
         query = query[(heads.view(-1, 1) * group + torch.arange(group, device=heads.device)).flatten()]
         if held.rotary is not None:  # the newest held tokens are the forward's own: the last at the newest position
+            from transformers.models.llama.modeling_llama import rotate_half  # not at import: a CLI check needs none
+
             cos, sin = held.rotary(held.position[0, -1] - rows + 1 + torch.arange(rows, device=keys.device))
             query = query * cos.float() + rotate_half(query) * sin.float()
         logits = query @ keys.repeat_interleave(group, dim=0).transpose(-1, -2) * held.scaling  # [h G, m, n]
