@@ -9,11 +9,13 @@ import functools
 
 import pytest
 import torch
+from conftest import fast_sample
 from transformers import DynamicCache
 
 from h2o_eval import EvictionCache, load_model, make_policy
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import Interval
+from h2o_eval.policies import POLICIES, Interval, example_policy
+from h2o_eval.policies.base import refuse_interval_policy
 
 PROMPT, NEW, EVERY, TARGET = 24, 21, 4, 10
 
@@ -253,20 +255,38 @@ def test_held_scores_order_each_heads_tokens_by_position_whatever_it_holds():
     assert len({int(count) for count in held.sum(-1).flatten()}) > 2  # heads holding different numbers
 
 
+def interval_policies() -> list[tuple[str, dict]]:
+    """Every registered policy ``decoding=interval`` takes as its decoding policy, with its example parameters, and
+    the wrappers that may be one over a base that may."""
+    found = []
+    for name in POLICIES:
+        try:
+            refuse_interval_policy(example_policy(name, 1.0))
+        except ConfigError:
+            continue
+        found.append((name, {}))
+    return found + [("adakv", {"base": "knorm"}), ("criticalkv", {"base": "keydiff"})]
+
+
 @pytest.mark.parametrize(
-    ("name", "params"), [("knorm", {}), ("cur", {}), ("adakv", {"base": "knorm"}), ("criticalkv", {"base": "keydiff"})]
+    ("name", "params"),
+    fast_sample(interval_policies(), lambda case: case in (("knorm", {}), ("cur", {}), ("adakv", {"base": "knorm"}))),
+    ids=[f"{name}-{params['base']}" if params else name for name, params in interval_policies()],
 )
 @torch.no_grad()
 def test_replayed_interval_steps_equal_eager_ones(tiny, name, params):
-    """A decoding policy that scores keys (or what is held) without votes has its steps captured: each compression
-    lays the buffers out anew (heads holding different numbers under adakv), so the next step warms up and is
-    captured again; the replays give the eager tokens."""
+    """Every decoding policy under emulated graphs gives the eager tokens. One that scores keys (or what is held)
+    without votes has its steps captured: each compression lays the buffers out anew (heads holding different
+    numbers under adakv), so the next step warms up and is captured again. One that votes keeps its steps'
+    attention input, and decodes eagerly."""
     model, _ = tiny
-    tokens, logits, _ = interval_run(model, prompt_ids(), make_policy(name, 1.0, **params))
-    replayed, replayed_logits, cache = interval_run(model, prompt_ids(), make_policy(name, 1.0, **params), graphs=True)
+    policy = example_policy(name, 1.0) if not params else make_policy(name, 1.0, **params)
+    tokens, logits, _ = interval_run(model, prompt_ids(), policy)
+    replayed, replayed_logits, cache = interval_run(model, prompt_ids(), policy, graphs=True)
     assert torch.equal(replayed, tokens)
     torch.testing.assert_close(replayed_logits, logits, rtol=0, atol=1e-5)
-    assert cache.graphs.replays >= 8
+    votes = any(layer.steps.keeps for layer in cache.layers)
+    assert cache.graphs.replays == 0 if votes else cache.graphs.replays >= 8
 
 
 def test_interval_settings_are_checked_in_one_line(tiny):
