@@ -232,6 +232,14 @@ def kv_head_count(model: torch.nn.Module) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of one token's keys and values over every layer and KV head of ``model``: a full cache's cost."""
+    config = _text_config(model)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = next(model.parameters()).element_size()
+    return 2 * config.num_hidden_layers * kv_head_count(model) * head_dim * size
+
+
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 

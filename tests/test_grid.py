@@ -541,3 +541,29 @@ def test_the_leaderboard_presets_name_their_questions_per_context_and_take_16_an
                                    "policy=snapkv", f"budget={budget}", f"data_dir={data_dir}"])).config  # fmt: skip
         assert (config["task"]["questions"], config["budget"], config["protocol"]) == (questions, budget, "context")
         assert (config["decoding"], config["rounding"]) == ("grow", "down")
+
+
+def test_the_grid_takes_as_many_documents_a_batch_as_its_cells_full_caches_fit_in_half_the_memory(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """Three cells' full caches of a 600-token document: with memory for 2.5 documents' worth, batches of 1 (half of
+    it fits one), said in one line; with plenty, the asked batch_size. The answers are the same either way."""
+    from h2o_eval import generation
+    from h2o_eval.attention import kv_bytes_per_token
+
+    settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 3, "batch_size": 3, "protocol": "context"}
+    settings |= {"task.length": 600, "task.max_new_tokens": 4, "decoding": "grow", "budget": 0.5}
+    configs = [validate(make_config(data_dir, tmp_path, **settings, policy=p)).config for p in ("full", "h2o", "knorm")]
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    per_document = kv_bytes_per_token(model) * 604 * 3
+    batches, answer = [], generation.answer
+    monkeypatch.setattr(generation, "answer", lambda *a, **k: batches.append(a[4].batch_size) or answer(*a, **k))
+    cells = [(configured_policy(c), c) for c in configs]
+    monkeypatch.setattr(generation, "available_memory", lambda device: 10**12)
+    roomy = RUNNER.evaluate_shared(model, tokenizer, cells)
+    monkeypatch.setattr(generation, "available_memory", lambda device: int(2.5 * per_document))
+    tight = RUNNER.evaluate_shared(model, tokenizer, cells)
+    assert batches == [3, 1]
+    assert "batch_size=3 -> 1 documents a batch: 3 cells' full caches take up to" in capsys.readouterr().out
+    for one, other in zip(roomy, tight, strict=True):
+        assert [o["prediction"] for o in one.outputs] == [o["prediction"] for o in other.outputs]

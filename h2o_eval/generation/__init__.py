@@ -15,7 +15,16 @@ all contexts end in one column. Under the other protocols the prompt is whole (i
 """
 
 from h2o_eval.generation.answering import Answers, Cell, Document, Settings, answer
-from h2o_eval.generation.batches import Batch, end_tokens, greedy, make_batch, new_tokens, steps
+from h2o_eval.generation.batches import (
+    Batch,
+    available_memory,
+    end_tokens,
+    fitting_rows,
+    greedy,
+    make_batch,
+    new_tokens,
+    steps,
+)
 from h2o_eval.generation.completion import complete, generate, run_batch
 from h2o_eval.generation.log import GenerationLog, Progress
 from h2o_eval.generation.passes import answer_key, answers, compress, decode, feed, settle
@@ -31,11 +40,13 @@ __all__ = [
     "answer",
     "answer_key",
     "answers",
+    "available_memory",
     "complete",
     "compress",
     "decode",
     "end_tokens",
     "feed",
+    "fitting_rows",
     "generate",
     "greedy",
     "make_batch",

@@ -77,3 +77,18 @@ def steps(model: Any, sequences: torch.Tensor, prompt_width: int) -> int:
 
 def end_tokens(tokenizer: Any) -> set[int]:
     return {token for token in (tokenizer.eos_token_id, tokenizer.pad_token_id) if token is not None}
+
+
+def fitting_rows(asked: int, row_bytes: int, memory: int) -> int:
+    """The rows a batch takes: ``asked``, or fewer where that many rows of ``row_bytes`` each would take more than
+    half of ``memory`` (at least one)."""
+    return max(1, min(asked, memory // 2 // max(row_bytes, 1)))
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for a run's tensors: the GPU's free memory on CUDA, else the machine's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as info:
+        fields = dict(line.split(":", 1) for line in info)
+    return int(fields["MemAvailable"].split()[0]) * 1024

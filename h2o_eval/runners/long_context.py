@@ -163,16 +163,28 @@ class LongContextRunner(Runner):
     ) -> list[Evaluation]:
         """The cells' evaluations; they differ only in policy, budget (or threshold) and protocol: every question
         answered by every cell on the generation path (:func:`h2o_eval.generation.answer`: a context fed once for
-        every cell's cache, a copy of it per question), then scored with RULER's metric."""
+        every cell's cache, a copy of it per question), then scored with RULER's metric. A batch takes at most the
+        documents whose full caches, one per cell, fit in half of the memory available (``batch_size`` at most)."""
         from h2o_eval import generation
+        from h2o_eval.attention import kv_bytes_per_token
 
         config = cells[0][1]
         task = config["task"]
         items = prompts(tokenizer, config)
         check_positions(model, items, task, config["model"]["name"])
+        longest = max(len(item.context_ids) + max(map(len, item.question_ids), default=0) for item in items)
+        row_bytes = kv_bytes_per_token(model) * (longest + task["max_new_tokens"]) * len(cells)
+        memory = generation.available_memory(next(model.parameters()).device)
+        rows = generation.fitting_rows(config["batch_size"], row_bytes, memory)
+        if rows < config["batch_size"]:
+            print(
+                f"batch_size={config['batch_size']} -> {rows} documents a batch: {len(cells)} cells' full caches take "
+                f"up to {row_bytes / 2**30:.1f} GiB a document, and {memory / 2**30:.1f} GiB are available",
+                flush=True,
+            )
         settings = generation.Settings(
             max_new_tokens=task["max_new_tokens"],
-            batch_size=config["batch_size"],
+            batch_size=rows,
             kernels=config["kernels"],
             decoding=config["decoding"],
             graphs=config["graphs"],
