@@ -176,7 +176,7 @@ class LongContextRunner(Runner):
         row_bytes = kv_bytes_per_token(model) * (longest + task["max_new_tokens"]) * len(cells)
         memory = generation.available_memory(next(model.parameters()).device)
         rows = generation.fitting_rows(config["batch_size"], row_bytes, memory)
-        if rows < config["batch_size"]:
+        if rows < min(config["batch_size"], len(items)):
             print(
                 f"batch_size={config['batch_size']} -> {rows} documents a batch: {len(cells)} cells' full caches take "
                 f"up to {row_bytes / 2**30:.1f} GiB a document, and {memory / 2**30:.1f} GiB are available",
