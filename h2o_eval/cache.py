@@ -148,9 +148,10 @@ class EvictionCache(Cache):
         graph = {True: CudaGraph if device.type == "cuda" else None, False: None, "emulate": RecordedGraph}
         if graphs not in graph:
             raise ConfigError(f"graphs={graphs!r}: use true, false or emulate")
-        if graphs == "emulate" and kernels == "triton" and device.type != "cuda":
+        if graphs == "emulate" and (kernels == "triton" or kernels == "auto" and device.type == "cuda"):
             raise ConfigError(
-                "graphs=emulate replays aten operations, and Triton's interpreter runs none: use kernels=auto"
+                "graphs=emulate replays aten operations, which Triton's kernels are not: use kernels=torch (or "
+                "kernels=auto on a CPU)"
             )
         if graph[graphs] is not None and not one_forward and host_bound_rotary(model) is None:
             self.graphs = DecodeGraphs(graph[graphs])

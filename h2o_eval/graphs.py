@@ -54,10 +54,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 HOST_READS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique")
 
 
-class CaptureFailed(RuntimeError):
-    """Capturing a decode step raised: the cache then decodes eagerly (:meth:`DecodeGraphs.step`)."""
-
-
 class CudaGraph:
     """A ``torch.cuda.CUDAGraph``: :meth:`capture` records a step without running it, :meth:`replay` runs it. A capture
     that raises raises the step's own error (not ``capture_end``'s, which names no operation)."""
@@ -67,6 +63,7 @@ class CudaGraph:
 
     def capture(self, step: Callable[[], Any], owned: Callable[[], list[torch.Tensor]]) -> Any:
         torch.cuda.synchronize()
+        stream = torch.cuda.current_stream()
         raised: list[BaseException] = []
 
         def guarded() -> Any:
@@ -80,6 +77,7 @@ class CudaGraph:
             with torch.cuda.graph(self.graph):
                 return guarded()
         except Exception as ended:
+            torch.cuda.set_stream(stream)  # capture_end raising leaves the capture's side stream current
             raise (raised[0] if raised else ended) from None
 
     def replay(self, owned: Callable[[], list[torch.Tensor]]) -> None:
@@ -92,23 +90,24 @@ def _storage(tensor: torch.Tensor) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Owned:
-    """A tensor the graph reads and does not own, by address: the ``index``-th tensor of its owners (the static
-    inputs, the cache's buffers, the model's weights), seen as ``size``/``stride``/``offset`` of its storage."""
+    """A tensor the graph reads and does not own, by address: the ``storage`` of one of its owners (the static
+    inputs, the cache's buffers, the model's weights), seen as ``dtype``, ``size``, ``stride`` and ``offset``."""
 
-    index: int
     storage: int
+    dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
 
-    def get(self, owners: list[torch.Tensor], op: str) -> torch.Tensor:
-        owner = owners[self.index] if self.index < len(owners) else None
-        if owner is None or _storage(owner) != self.storage:
+    def get(self, owners: dict[int, torch.Tensor], op: str) -> torch.Tensor:
+        owner = owners.get(self.storage)
+        if owner is None:
             raise RuntimeError(
                 f"a replayed decode step reads memory its capture found elsewhere ({op}): the step was captured for "
                 "other buffers (another cache's, or ones freed since)"
             )
-        return owner.as_strided(self.size, self.stride, self.offset)
+        view = torch.empty(0, dtype=self.dtype, device=owner.device)
+        return view.set_(owner.untyped_storage(), self.offset, self.size, self.stride)
 
 
 class _Recorder(TorchDispatchMode):
@@ -125,6 +124,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.__name__.split(".")[0] in HOST_READS:
             raise RuntimeError(f"a captured decode step reads a tensor's value on the host ({func.__name__})")
+        if func.is_view and func._schema.is_mutable:  # a replay would change the shape again
+            raise RuntimeError(f"a captured decode step changes a tensor's shape in place ({func.__name__})")
         if func._schema.is_mutable:
             for tensor in _written(func, args, kwargs):
                 if _storage(tensor) not in self.made and id(tensor) not in self.before:
@@ -139,7 +140,9 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def restore(self) -> None:
-        for tensor, saved in self.before.values():
+        """Undo the capture's writes: the copies taken last first, so that where two views of one storage were
+        written, the copy taken before either write is the one left."""
+        for tensor, saved in reversed(list(self.before.values())):
             tensor.copy_(saved)
 
 
@@ -205,10 +208,7 @@ class RecordedGraph:
         except BaseException:
             recorder.restore()
             raise
-        owners = owned()
-        where = {}
-        for index, tensor in enumerate(owners):
-            where.setdefault(_storage(tensor), index)
+        where = {_storage(tensor) for tensor in owned()}
 
         def held(tensor: torch.Tensor) -> Any:
             storage = _storage(tensor)
@@ -219,8 +219,7 @@ class RecordedGraph:
                     f"a captured decode step reads a tensor of shape {list(tensor.shape)} that neither the cache nor "
                     "the step's static inputs keep: a CUDA graph would read it after it is freed"
                 )
-            shape = (tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
-            return _Owned(where[storage], storage, *shape)
+            return _Owned(storage, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
 
         try:
             self.ops = [
@@ -237,7 +236,7 @@ class RecordedGraph:
         if self.ran:  # the capture's own run
             self.ran = False
             return
-        owners = owned()
+        owners = {_storage(tensor): tensor for tensor in owned()}
         for func, args, kwargs, out in self.ops:
             name = func.__name__
 
@@ -267,8 +266,11 @@ class DecodeGraphs:
         self.failed: str | None = None
 
     def fresh(self) -> DecodeGraphs:
-        """Graphs of the same kind for a copy of the cache: none captured yet."""
-        return DecodeGraphs(self.make_graph)
+        """Graphs of the same kind for a copy of the cache: none captured yet, and none tried again where a capture
+        of this cache raised (the model and policy are the copy's too)."""
+        graphs = DecodeGraphs(self.make_graph)
+        graphs.failed = self.failed
+        return graphs
 
     def step(self, cache: Any, model: torch.nn.Module, forward: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
         """The forward ``kwargs`` ask for through ``cache``, replayed; None when it is no capturable decode step (it

@@ -83,6 +83,8 @@ def validate(config: dict[str, Any]) -> Spec:
         raise ConfigError(f"stack_cells={config['stack_cells']!r}: use true or false")
     if config["graphs"] not in (True, False, "emulate"):
         raise ConfigError(f"graphs={config['graphs']!r}: use true, false or emulate")
+    if config["graphs"] == "emulate" and config["kernels"] == "triton":
+        raise ConfigError("graphs=emulate replays aten operations, which Triton's kernels are not: use kernels=torch")
     protocol = config["protocol"] or runner.default_protocol(task)
     if stack and (runner.name != "long_context" or protocol != "context" or config["decoding"] != "grow"):
         raise ConfigError(

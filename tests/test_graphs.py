@@ -6,6 +6,7 @@ implementation: the same generation with every capturable step captured once per
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -251,12 +252,16 @@ def test_a_capture_that_raises_leaves_the_cache_decoding_eagerly_with_one_warnin
     reference = cache(False)
     eager = decode_steps(model, reference, ids, 8)
     capture, advance = RecordedGraph.capture, EvictionLayer.advance
-    capturing = {"now": False}
+    capturing, restored = {"now": False}, []
 
     def failing_capture(self, step, owned):
+        before = [tensor.clone() for tensor in owned()]
         capturing["now"] = True
         try:
             return capture(self, step, owned)
+        except torch.OutOfMemoryError:
+            restored.append(all(torch.equal(a, b) for a, b in zip(before, owned(), strict=True)))
+            raise
         finally:
             capturing["now"] = False
 
@@ -270,9 +275,14 @@ def test_a_capture_that_raises_leaves_the_cache_decoding_eagerly_with_one_warnin
     emulated = cache("emulate")
     with pytest.warns(RuntimeWarning, match=r"raised OutOfMemoryError: CUDA out of memory.*graphs=false") as caught:
         tokens = decode_steps(model, emulated, ids, 8)
-    assert len([w for w in caught if "graphs=false" in str(w.message)]) == 1
+    assert len([w for w in caught if "graphs=false" in str(w.message)]) == 1 and restored == [True]
     assert torch.equal(tokens, eager)
     assert str(host_counts(emulated)) == str(host_counts(reference))
+    fork = emulated.fork([0, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a copy of the cache does not try the capture again
+        decode_steps(model, fork, tokens[:, -1:], 3)
+    assert fork.graphs.failed == emulated.graphs.failed and len(restored) == 1
     assert emulated.graphs.replays == 0 and emulated.graphs.failed.startswith("OutOfMemoryError")
     log = GenerationLog(max_new_tokens=8)
     log.add(Batch(ids, torch.ones_like(ids)), torch.cat([ids, tokens], 1), emulated, 1.0, set())
@@ -363,3 +373,33 @@ def test_a_dynamic_rotary_embedding_is_never_captured(tiny):
     assert EvictionCache(model, example_policy("h2o"), protocol="prefill", graphs="emulate").graphs is not None
     model.model.rotary_emb.rope_type = "dynamic"
     assert EvictionCache(model, example_policy("h2o"), protocol="prefill", graphs="emulate").graphs is None
+
+
+@torch.no_grad()
+def test_a_cache_replays_its_captures_after_another_cache_made_constants_of_its_own(tiny):
+    """A replay finds what it reads by address, not by its place among the tensors a cache and its model own: an H2O
+    cache replays on after a TOVA cache (another rule, other constants) has decoded between its steps."""
+    model, _ = tiny
+    ids = torch.randint(5, 400, (1, 40), generator=torch.Generator().manual_seed(11))
+
+    def interleaved(graphs):
+        first = EvictionCache(model, make_policy("h2o", 16), protocol="prefill", graphs=graphs)
+        tokens = decode_steps(model, first, ids, 4)
+        other = EvictionCache(model, make_policy("tova", 16), protocol="prefill", graphs=graphs)
+        decode_steps(model, other, ids, 2)
+        return torch.cat([tokens, decode_steps(model, first, torch.cat([ids, tokens], 1), 4)], 1), first
+
+    eager, _ = interleaved(False)
+    replayed, cache = interleaved("emulate")
+    assert torch.equal(replayed, eager) and cache.graphs.replays >= 5
+
+
+def test_the_emulator_replays_a_view_of_another_dtype_as_captured():
+    """A step that reads a buffer through a view of another dtype (int32 pairs as int64) replays that view."""
+    buffer, total = torch.arange(8, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)
+    graph = RecordedGraph()
+    graph.capture(lambda: total.add_(buffer.view(torch.int64)), lambda: [buffer, total])
+    expected = total.clone() * 2
+    graph.replay(lambda: [buffer, total])
+    graph.replay(lambda: [buffer, total])
+    assert torch.equal(total, expected)

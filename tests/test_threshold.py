@@ -287,3 +287,5 @@ def test_make_policy_takes_a_threshold_wherever_it_takes_a_budget():
     assert make_policy("snapkv", threshold=0.1, window=4).base == make_policy("snapkv", 1.0, window=4)
     with pytest.raises(ConfigError, match=r"^threshold='abc': use a number"):
         make_policy("knorm", threshold="abc")
+    with pytest.raises(ConfigError, match=r"^threshold=... makes policy 'adakv' the base of dms, and adakv wraps"):
+        make_policy("adakv", threshold=0.1, base="snapkv")

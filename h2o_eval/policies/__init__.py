@@ -96,6 +96,11 @@ def make_policy(name: str, budget: float | int = 0.2, threshold: float | None = 
         if name != "dms":
             if isinstance(threshold, bool) or not isinstance(threshold, int | float):
                 raise ConfigError(f"threshold={threshold!r}: use a number (tokens below it go), or null for a budget")
+            if "base" in params:
+                raise ConfigError(
+                    f"threshold=... makes policy {name!r} the base of dms, and {name} wraps a base of its own: give a "
+                    "policy that scores tokens itself, such as knorm or expected_attention"
+                )
             return make_policy("dms", budget, base=name, threshold=threshold, **params)
         params["threshold"] = threshold
     cls = POLICIES[name]
