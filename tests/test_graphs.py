@@ -60,7 +60,7 @@ def test_replayed_decode_steps_equal_eager_ones(tiny, name, decoding, monkeypatc
     """Every cache-holding policy under both decoding rules: the same tokens, held slots and positions, and scores
     within float rounding; all but the warm-up steps of each set of buffers are replays. Position scores are made
     8 positions ahead, so that their table is made anew between replays too."""
-    monkeypatch.setattr("h2o_eval.layer.AHEAD", 8)
+    monkeypatch.setattr("h2o_eval.layouts.AHEAD", 8)
     model, tokenizer = tiny
     eager, expected = decoded(model, tokenizer, name, decoding, graphs=False)
     replayed, cache = decoded(model, tokenizer, name, decoding, graphs=True)

@@ -16,7 +16,7 @@ from h2o_eval.capacity import CapacityLog
 from h2o_eval.chunks import attend_chunk
 from h2o_eval.errors import ConfigError
 from h2o_eval.eviction import attend_chunk_reference
-from h2o_eval.layer import Ragged
+from h2o_eval.layouts import Ragged
 from h2o_eval.policies import Rule, configured_policy
 from h2o_eval.settings import policy_departures
 
