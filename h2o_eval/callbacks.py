@@ -35,8 +35,8 @@ class ValidateFirst(Callback):
         from hydra.errors import HydraException
 
         from h2o_eval.errors import fail
-        from h2o_eval.grid import expand, one_line, refusal
-        from h2o_eval.names import unknown_names
+        from h2o_eval.grid import one_line, refusal
+        from h2o_eval.names import expand, unknown_names
         from h2o_eval.run import validate
 
         params = config.hydra.sweeper.get("params") or {}

@@ -29,26 +29,18 @@ if TYPE_CHECKING:
 SHARED_KEYS = ("policy", "budget", "threshold", "protocol")
 
 
-def expand(overrides: list[str]) -> list[list[str]]:
-    """The sweep's cells, each a list of plain overrides, in Hydra's ``--multirun`` order."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
-
-
 def preset_sweep(overrides: list[str]) -> list[str]:
     """``overrides`` plus the sweeps a preset among them declares (``hydra.sweeper.params``, as ``--multirun``
     reads them: ``+experiment=kv_leaderboard``), for the keys the command line does not sweep or set itself."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
 
+    from h2o_eval.names import compose as compose_config
+    from h2o_eval.names import expand
+
     first = expand(overrides)[0] if overrides else []
     try:
-        with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
-            config = hydra_compose(config_name="config", overrides=first, return_hydra_config=True)
+        config = compose_config(first, hydra=True)
     except HydraException:
         return overrides  # compose() names the error, cell by cell
     given = {override.split("=", 1)[0].lstrip("+~") for override in overrides}
@@ -74,11 +66,10 @@ def one_line(error: Exception) -> str:
 def compose(overrides: list[str]) -> dict[str, Any]:
     """One cell's resolved config, as ``python -m h2o_eval`` builds it (not yet validated). An unknown name, a
     config Hydra cannot compose, or a task setting its task does not take, stops the whole sweep with one line."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
     from hydra.errors import HydraException
 
     from h2o_eval.composed import plain_config
+    from h2o_eval.names import compose as compose_config
     from h2o_eval.names import unknown_names
     from h2o_eval.runners import check_task_keys
     from h2o_eval.threads import default_threads
@@ -86,8 +77,7 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     if unknown := unknown_names(overrides):
         raise ConfigError(unknown[0])
     try:
-        with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
-            config = plain_config(hydra_compose(config_name="config", overrides=overrides))
+        config = plain_config(compose_config(overrides))
     except HydraException as error:
         raise ConfigError(one_line(error)) from None
     check_task_keys(config["task"])
@@ -117,7 +107,7 @@ def main(argv: list[str]) -> None:
     are skipped, the rest computed."""
     from h2o_eval import results
     from h2o_eval.errors import fail
-    from h2o_eval.names import unknown_keys, unknown_names
+    from h2o_eval.names import expand, unknown_keys, unknown_names
     from h2o_eval.run import compute, execute, existing, summary_line, validate
 
     overrides = preset_sweep(argv)

@@ -41,19 +41,21 @@ def unknown_names(overrides: list[str]) -> list[str]:
     return list(found)
 
 
-def _first_values(overrides: list[str]) -> list[str]:
-    """``overrides`` as one job of their sweep: each swept key at its first value."""
+def expand(overrides: list[str]) -> list[list[str]]:
+    """The sweep's jobs, each a list of plain overrides, in Hydra's ``--multirun`` order."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0][0]
+    return BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)[0]
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_module
+def compose(overrides: list[str], hydra: bool = False):
+    """The config one job's ``overrides`` compose (with Hydra's own part where ``hydra``), as the CLI composes it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
 
     with initialize_config_module(config_module="h2o_eval.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
 
 
 def _closest(key: str, known) -> str:
@@ -70,11 +72,11 @@ def unknown_keys(overrides: list[str]) -> list[str]:
     from omegaconf import OmegaConf
 
     try:
-        job = _first_values(overrides)
+        job = expand(overrides)[0]
     except HydraException:
         return []
     try:
-        config = _compose([o for o in job if not _adds_top_level(o)])
+        config = compose([o for o in job if not _adds_top_level(o)])
     except HydraException as error:
         missing = re.search(r"Could not override '([^']+)'", str(error))
         if missing is None:
@@ -83,7 +85,7 @@ def unknown_keys(overrides: list[str]) -> list[str]:
         given = next(o for o in job if o.lstrip("+~").split("=", 1)[0] == key)
         parent, _, leaf = key.rpartition(".")
         try:
-            base = _compose([o for o in job if o != given and not o.startswith("+")])
+            base = compose([o for o in job if o != given and not o.startswith("+")])
         except HydraException:
             return []
         node = OmegaConf.select(base, parent) if parent else base

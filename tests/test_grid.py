@@ -510,7 +510,8 @@ def test_the_leaderboard_preset_sweeps_rulers_tasks_in_kvpress_protocol(data_dir
     cache and the oracle, kvpress's four ratios) where the command line narrows nothing, kvpress's protocol (the
     context compressed without the question, kept int(L * (1 - ratio)), nothing evicted afterwards) in every
     record."""
-    from h2o_eval.grid import expand, preset_sweep
+    from h2o_eval.grid import preset_sweep
+    from h2o_eval.names import expand
 
     plain = ["model=tiny-llama", "policy=h2o,local"]
     assert preset_sweep(plain) == plain  # no preset, no sweep of its own
