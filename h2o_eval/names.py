@@ -82,7 +82,9 @@ def unknown_keys(overrides: list[str]) -> list[str]:
         if missing is None:
             return []
         key = missing.group(1)
-        given = next(o for o in job if o.lstrip("+~").split("=", 1)[0] == key)
+        given = next((o for o in job if o.lstrip("+~").split("=", 1)[0] == key), None)
+        if given is None:  # not the command line's: Hydra's own message
+            return []
         parent, _, leaf = key.rpartition(".")
         try:
             base = compose([o for o in job if o != given and not o.startswith("+")])
