@@ -13,11 +13,14 @@ from omegaconf import OmegaConf
 
 def options(group: str) -> dict[str, dict[str, Any]]:
     """Every option of a config group (``task``, ``model``, ...) mapped to its config, the contents of
-    ``conf/<group>/<name>.yaml``, as the CLI sees them."""
+    ``conf/<group>/<name>.yaml``, as the CLI sees them; an option in a folder of the group is named by its path
+    (``policy=kvpress/snapkv``: ``conf/policy/kvpress/snapkv.yaml``, a policy's configuration as kvpress runs it)."""
     folder = resources.files(__name__) / group
+    entries = [(entry, "") for entry in folder.iterdir()]
+    entries += [(inner, f"{entry.name}/") for entry in folder.iterdir() if entry.is_dir() for inner in entry.iterdir()]
     return {
-        entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
-        for entry in folder.iterdir()
+        prefix + entry.name.removesuffix(".yaml"): yaml.safe_load(entry.read_text())
+        for entry, prefix in entries
         if entry.name.endswith(".yaml")
     }
 

@@ -24,8 +24,9 @@
 #                 Units of a task and 3 policies; two lanes split them: LANE=0/2 ... leaderboard & LANE=1/2 ...
 #                 (the lanes of one machine take cwe, fwe and qa_2's units one at a time: SmolLM2's peak at 13 GB)
 #   leaderboard_1q +experiment=kv_leaderboard (one question per context): SmolLM2 on ONE_TASKS (niah_single_2 and
-#                 qa_1), ONE_LIMIT documents (default 40): 12 policies and kvpress's other presses (issue 61) x 6
-#                 ratios (kvpress's 4, 0.9375 and 0.96875), and knorm at 5 thresholds; LANE=i/n splits its units
+#                 qa_1), ONE_LIMIT documents (default 40): 12 policies, kvpress's other presses (issue 61) and the
+#                 board's kvpress/ configurations x 6 ratios (kvpress's 4, 0.9375 and 0.96875), and knorm at 5
+#                 thresholds; LANE=i/n splits its units
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -97,7 +98,8 @@ leaderboard_1q() {
     # kvpress's protocol (+experiment=kv_leaderboard, one question per context) beside the shared-context one:
     # SmolLM2 on ONE_TASKS (default niah_single_2 qa_1), ONE_LIMIT documents (default 40). A unit is a task and a
     # group: the first leaderboard's 12 policies, then the presses added for issue 61, each at 6 ratios, then knorm at
-    # five thresholds (kvpress's DMSPress: one record each, whatever the budget), which remove 6 % to 86 % of a context.
+    # five thresholds (kvpress's DMSPress: one record each, whatever the budget), which remove 6 % to 86 % of a context,
+    # then the board entries whose parameters kvpress's board sets apart from this project's defaults (issue 69).
     # LANE=i/n runs every n-th unit from the i-th. One document a batch: a unit of 36 cells peaks near 8 GB.
     local lane=${LANE:-0/1} unit=0 task group six=budget=0.75,0.5,0.25,0.125,0.0625,0.03125
     local -a groups=(
@@ -106,6 +108,7 @@ leaderboard_1q() {
         "policy=observed_attention,lagkv,cur,non_causal_attention,leverage,compactor $six"
         "policy=chunkkv,entropy_gated_chunkkv,finch $six"
         "policy=adakv policy.base=compactor $six"
+        "policy=kvpress/snapkv,kvpress/pyramidkv,kvpress/expected_attention,kvpress/random $six"
         "policy=knorm threshold=-22,-20,-18,-16,-14"
     )
     for task in ${ONE_TASKS:-niah_single_2 qa_1}; do

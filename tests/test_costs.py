@@ -8,7 +8,8 @@ import pytest
 import test_plot
 
 from h2o_eval import results
-from h2o_eval.benchmarks.costs import leaderboard_estimate, preset_cells
+from h2o_eval.benchmarks.costs import cell, leaderboard_estimate, preset_cells
+from h2o_eval.policies import make_policy
 
 CELLS = preset_cells("kv_leaderboard")[2]
 
@@ -16,11 +17,11 @@ CELLS = preset_cells("kv_leaderboard")[2]
 def write(folder, task, cells, contexts, questions, context_cost, question_cost, policy="h2o", budget=0.5):
     """``cells`` records of one task, each answering ``contexts`` contexts and ``questions`` questions in
     contexts x c + questions x q seconds."""
-    for cell in range(cells):
+    for number in range(cells):
         record = test_plot.fake_record(task, policy, budget, 0.0, protocol="context")
         seconds = contexts * context_cost + questions * question_cost
         record |= {"n_documents": contexts, "n_questions": questions, "wall_seconds": seconds}
-        results.write_record(folder / f"{task}_{policy}_{budget}_{cell}.json", record)
+        results.write_record(folder / f"{task}_{policy}_{budget}_{number}.json", record)
 
 
 def test_a_tasks_context_and_question_costs_come_from_its_two_protocols_and_carry_to_the_others(tmp_path):
@@ -43,7 +44,13 @@ def test_only_the_presets_cells_count(tmp_path):
     nothing, however much they cost."""
     policies, budgets, cells = preset_cells("kv_leaderboard")
     assert (len(policies), len(budgets), len(cells)) == (16, 4, 61)
-    assert ("full", 1.0) in cells and ("h2o", 0.125) in cells and ("h2o", 0.0625) not in cells
+    h2o = make_policy("h2o").describe()
+    assert cell(make_policy("full").describe(), 1.0) in cells and cell(h2o, 0.125) in cells
+    assert cell(h2o, 0.0625) not in cells
+    kvpress = [make_policy("adakv", base=base, **extra).describe() for base, extra in
+               (("expected_attention", {"epsilon": 0.01}), ("compactor", {}))]  # fmt: skip
+    assert all(cell(params, 0.5) in cells for params in kvpress)  # two board entries, one policy name
+    assert cell(make_policy("snapkv").describe(), 0.5) not in cells  # the preset's snapkv is kvpress's
     shared, one = tmp_path / "shared", tmp_path / "one"
     write(shared, "niah_single_2", 3, 10, 40, context_cost=20.0, question_cost=5.0)
     write(one, "niah_single_2", 3, 40, 40, context_cost=20.0, question_cost=5.0, policy="full", budget=1.0)

@@ -189,5 +189,5 @@ def test_the_readme_and_the_leaderboard_page_count_the_policies_and_name_each_as
     assert f"the {len(POLICIES)} policies of" in readme and share in readme.replace("\n", " ") and share in board
     section = board[board.index("## The policies it sweeps") : board.index("## A smoke test")]
     sweeps, rest = section.split(f"Of the {len(POLICIES)},")
-    assert set(re.findall(r"`([a-z_0-9]+)`", sweeps)) == set(swept)
-    assert set(POLICIES) - set(swept) <= set(re.findall(r"`([a-z_0-9]+)`", rest))
+    assert set(re.findall(r"`([a-z_0-9/]+)`", sweeps)) == set(swept)
+    assert set(POLICIES) - set(swept) <= set(re.findall(r"`([a-z_0-9/]+)`", rest))

@@ -43,7 +43,7 @@ def test_every_press_runs_on_a_tiny_model_at_kvpress_kept_count():
             assert held == [tokens] * len(held) and all(head == fed for layer in found["end"] for head in layer)
         elif PRESSES[case.press].decoding in ("size", "ratio"):  # the context whole until decoding compresses it
             assert held == [tokens] * len(held)
-        elif case.press == "adakv_compactor":  # heads share the layer's slots
+        elif case.press in ("adakv_compactor", "adakv_expected_attention"):  # heads share the layer's slots
             assert sum(held) == int(tokens * 0.75) * len(held)
         elif case.press == "composed":  # the second press keeps int(45 * 0.75) of the first's int(60 * 0.75)
             assert held == [int(int(tokens * 0.75) * 0.75)] * len(held)

@@ -21,6 +21,7 @@ class Press:
     rerotated: bool = False  # the question's positions continue from the compressed length (key re-rotation)
     ties: bool = False  # also run kvpress with ties broken towards the newest token
     layered: bool = False  # the ratio differs by layer (:func:`layer_ratios`): kvpress's PerLayerCompressionPress
+    uneven: bool = False  # its layers keep different counts (as ``layered`` ones): kvpress is fed one token at a time
     threshold: bool = False  # DMSPress: the "ratio" is a score threshold (h2o_eval's dms)
     drops: bool = False  # it drops tokens while decoding too (DMSPress(decoding=True); h2o_eval's decoding=evict)
     # A decoding press (``kvpress`` then builds its scorer at the ratio): "size", DecodingPress with target_size
@@ -52,6 +53,16 @@ _SNAPKV_4 = _scorer("SnapKVPress", window_size=4, kernel_size=5)
 
 
 PRESSES: dict[str, Press] = {
+    # kvpress's leaderboard entries whose parameters differ from this project's defaults (conf/policy/kvpress/)
+    "snapkv": Press("snapkv", {"window": 64, "kernel_size": 5, "pooling": "avg"}, _scorer("SnapKVPress")),
+    "pyramidkv": Press(
+        "pyramidkv", {"window": 64, "kernel_size": 5, "pooling": "avg", "budgets": "kvpress"},
+        _scorer("PyramidKVPress"), uneven=True,
+    ),
+    "adakv_expected_attention": Press(
+        "adakv", {"base": "expected_attention", "epsilon": 0.01},
+        _scorer("ExpectedAttentionPress", "AdaKVPress", epsilon=1e-2),
+    ),
     "observed_attention": Press("observed_attention", {}, _scorer("ObservedAttentionPress"), eager=True),
     "lagkv": Press("lagkv", {}, _scorer("LagKVPress"), ties=True),
     "cur": Press("cur", {}, _scorer("CURPress"), ties=True),

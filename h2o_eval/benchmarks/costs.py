@@ -19,10 +19,12 @@ cells, those its records lack at the mean cost of those they hold.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # (label, overrides, unit): the task families at the lengths the docs' examples use.
 SETTINGS = [
@@ -70,15 +72,15 @@ def measure(model: str, overrides: list[str], data_dir: Path, results: Path) -> 
 
 
 def task_costs(folder: Path, model: str, cells: set[tuple[str, float]]) -> dict[str, tuple[float, int, int]]:
-    """Per long-context task of ``model`` in ``folder``: the mean ``wall_seconds`` of its records of the (policy,
-    budget) ``cells``, and the contexts and questions a cell answered (each cell of a task answers the same ones)."""
+    """Per long-context task of ``model`` in ``folder``: the mean ``wall_seconds`` of its records of the ``cells``
+    (:func:`cell`), and the contexts and questions a cell answered (each cell of a task answers the same ones)."""
     from h2o_eval.results import load_records
 
     found: dict[str, list[tuple[float, int, int]]] = {}
     for record in load_records(folder):
         if record["model"] != model or "n_documents" not in record:
             continue
-        if (record["policy"], record["budget"]) not in cells:
+        if cell(record["policy_params"], record["budget"]) not in cells:
             continue
         found.setdefault(record["task"], []).append(
             (record["wall_seconds"], record["n_documents"], record["n_questions"])
@@ -86,15 +88,33 @@ def task_costs(folder: Path, model: str, cells: set[tuple[str, float]]) -> dict[
     return {task: (sum(s for s, _, _ in held) / len(held), *held[0][1:]) for task, held in found.items()}
 
 
-def preset_cells(preset: str = "kv_leaderboard") -> tuple[list[str], list[float], set[tuple[str, float]]]:
-    """The policies and budgets a leaderboard preset sweeps, and its (policy, budget) cells: the full cache is one
-    cell at every ratio (one record at budget 1.0), every other policy one per budget."""
+def cell(params: dict[str, Any], budget: float | int) -> tuple[str, float | int]:
+    """A leaderboard cell: a policy's parameters (:meth:`~h2o_eval.policies.Policy.describe`, a record's
+    ``policy_params``) but its budget and rounding, and the budget."""
+
+    def kept(found: dict[str, Any]) -> dict[str, Any]:
+        return {k: kept(v) if isinstance(v, dict) else v for k, v in found.items() if k not in ("budget", "rounding")}
+
+    return json.dumps(kept(params), sort_keys=True), budget
+
+
+def preset_cells(preset: str = "kv_leaderboard") -> tuple[list[str], list[float], set[tuple[str, float | int]]]:
+    """The policies and budgets a leaderboard preset sweeps, and its :func:`cell` s: the full cache is one cell at
+    every ratio (one record at budget 1.0), every other policy one per budget."""
+    from omegaconf import OmegaConf
+
     from h2o_eval.conf import options
+    from h2o_eval.names import compose
+    from h2o_eval.policies import configured_policy
 
     params = options("experiment")[preset]["hydra"]["sweeper"]["params"]
     policies, budgets = str(params["policy"]).split(","), [float(b) for b in str(params["budget"]).split(",")]
-    cells = {(policy, budget) for policy in policies if policy != "full" for budget in budgets}
-    return policies, budgets, cells | ({("full", 1.0)} if "full" in policies else set())
+    cells = set()
+    for policy in policies:
+        config = OmegaConf.to_container(compose([f"policy={policy}"]), resolve=True)
+        made = configured_policy(config).describe()
+        cells |= {cell(made, 1.0)} if policy == "full" else {cell(made, budget) for budget in budgets}
+    return policies, budgets, cells
 
 
 def leaderboard_estimate(

@@ -283,9 +283,10 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     start = cache.get_seq_length() if PRESSES[case.press].rerotated else len(case.compressed)
 
     # Layers of different lengths: the SDPA mask transformers builds for several tokens fits the first layer only
-    # (kvpress's PerLayerCompressionPress asks for flash attention), so the question goes one token at a time.
+    # (kvpress's PerLayerCompressionPress asks for flash attention; PyramidKV too), so the question goes one token at
+    # a time.
     def step(ids: list[int], positions: list[int]) -> torch.Tensor:
-        size = 1 if PRESSES[case.press].layered else len(ids)
+        size = 1 if spec.layered or spec.uneven else len(ids)
         for first in range(0, len(ids), size):
             with torch.no_grad():
                 out = model(
