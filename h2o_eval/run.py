@@ -188,9 +188,9 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
     first = specs[0].config
     git = results.git_commit()  # the code that starts the run, whatever lands while it runs
     applied_threads = apply_threads(first["threads"])
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.process_time()
     model, tokenizer = load_model(first["model"], device=first["device"], dtype=first["dtype"])
-    loaded = time.perf_counter()
+    loaded, loaded_cpu = time.perf_counter(), time.process_time()
     device = next(model.parameters()).device
     runner = specs[0].runner
     cells = [(spec.policy, spec.config) for spec in specs]
@@ -207,9 +207,12 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
             evaluations.append(runner.evaluate(model, tokenizer, policy, config))
             peaks.append(peak.read())
     seconds = (time.perf_counter() - loaded) / len(cells)
+    cpu = (time.process_time() - loaded_cpu) / len(cells)
     for evaluation, peak in zip(evaluations, peaks, strict=True):
         # a first load converts the weights once (about 100 s for Gemma 3)
         evaluation.fields["load_seconds"] = round(loaded - began, 3)
+        evaluation.fields["load_cpu_seconds"] = round(loaded_cpu - began_cpu, 3)
+        evaluation.fields["cpu_seconds"] = round(cpu, 3)
         evaluation.fields["peak_memory"] = peak
     return [
         finish(spec, evaluation, applied_threads, seconds, git, work_dir)
@@ -226,7 +229,8 @@ def finish(
     work_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Write a computed run's record (the runner's ``evaluation``, ``seconds`` of wall time of the evaluation
-    itself, the model's load apart as ``load_seconds``, ``git`` the
+    itself, the model's load apart as ``load_seconds``; their CPU time, every thread's, as ``cpu_seconds`` and
+    ``load_cpu_seconds``; ``git`` the
     :func:`~h2o_eval.results.git_commit` read when the computation started) and per-document outputs at
     its path, log it to W&B (its offline run under ``work_dir``, else under ``results_dir``) and print its summary
     line. Returns the record."""

@@ -8,7 +8,7 @@ import pytest
 import test_plot
 
 from h2o_eval import results
-from h2o_eval.benchmarks.costs import cell, leaderboard_estimate, preset_cells
+from h2o_eval.benchmarks.costs import cell, leaderboard_estimate, parts, preset_cells
 from h2o_eval.policies import make_policy
 
 CELLS = preset_cells("kv_leaderboard")[2]
@@ -59,3 +59,17 @@ def test_only_the_presets_cells_count(tmp_path):
         write(one, "niah_single_2", 2, 40, 40, 200.0, 50.0, policy=policy, budget=budget)
     assert leaderboard_estimate(shared, one, "tiny-llama", 40, cells)[1] == before
     assert before == ("niah_single_2", "both protocols", pytest.approx(40 * 25.0))
+
+
+def test_the_parts_of_a_cells_cpu_time_per_context_come_from_its_records(tmp_path):
+    """Two cells run together on 4 contexts: per context and cell, each part's mean, the rest of the evaluation's
+    CPU time, and the load's share (one load for both cells)."""
+    for number, (prompt, decoding) in enumerate(((4.0, 8.0), (4.0, 16.0))):
+        record = test_plot.fake_record("niah_single_2", "h2o", 0.5, 0.0, protocol="context")
+        split = {"prompt": prompt, "scoring": 0.0, "question": 2.0, "decoding": decoding}
+        record |= {"n_documents": 4, "cpu_seconds": 40.0, "load_cpu_seconds": 16.0}
+        record["generation"] = {"cpu_seconds": split, "shared_prompt_cells": 2}
+        results.write_record(tmp_path / f"r{number}.json", record)
+    [(task, model, cells, each)] = parts(tmp_path)
+    assert (task, model, cells) == ("niah_single_2", "tiny-llama", 2)
+    assert each == {"prompt": 1.0, "scoring": 0.0, "question": 0.5, "decoding": 3.0, "rest": 5.5, "load": 2.0}

@@ -568,3 +568,29 @@ def test_the_grid_takes_as_many_documents_a_batch_as_its_cells_full_caches_fit_i
     assert "batch_size=3 -> 1 documents a batch: 3 cells' full caches take up to" in capsys.readouterr().out
     for one, other in zip(roomy, tight, strict=True):
         assert [o["prediction"] for o in one.outputs] == [o["prediction"] for o in other.outputs]
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_a_cells_cpu_time_splits_into_its_prompt_pass_scoring_question_pass_and_decoding(data_dir, tmp_path, stack):
+    """Cells sharing a context's pass: each takes a third of it (equal ``prompt`` shares); KVzip's repeat passes are
+    its ``scoring``, which costs more than the others' none; every cell feeds its question (``question``) and then
+    decodes a token a forward (``decoding``). Under ``prefill`` nothing is a question's pass of its own."""
+    settings = {"model": "tiny-llama", "task": "niah_single_1", "limit": 2, "batch_size": 2, "protocol": "context"}
+    settings |= {"task.length": 600, "task.max_new_tokens": 6, "decoding": "grow", "budget": 0.5}
+    settings |= {"stack_cells": stack}
+    policies = ("full", "kvzip", "knorm")
+    configs = [validate(make_config(data_dir, tmp_path, **settings, policy=p)).config for p in policies]
+    model, tokenizer = load_model("tiny-llama", device="cpu")
+    cells = [(configured_policy(c), c) for c in configs]
+    parts = {
+        p: e.fields["generation"]["cpu_seconds"]
+        for p, e in zip(policies, RUNNER.evaluate_shared(model, tokenizer, cells), strict=True)
+    }
+    assert len({p["prompt"] for p in parts.values()}) == 1 and parts["full"]["prompt"] > 0
+    assert parts["kvzip"]["scoring"] > 10 * max(parts["full"]["scoring"], parts["knorm"]["scoring"])
+    assert all(p["question"] > 0 and p["decoding"] > 0 for p in parts.values())
+    settings |= {"protocol": "prefill", "stack_cells": False}
+    config = validate(make_config(data_dir, tmp_path, **settings, policy="knorm")).config
+    alone = RUNNER.evaluate(model, tokenizer, configured_policy(config), config)
+    found = alone.fields["generation"]["cpu_seconds"]
+    assert found["question"] == 0 and found["prompt"] > 0 and found["decoding"] > 0

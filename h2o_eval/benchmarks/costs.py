@@ -3,13 +3,19 @@ one thread, and the generation's tokens/s; docs/costs.md's "Seconds per document
 
     python -m h2o_eval.benchmarks.costs --data-dir ../shared/data [--models smollm2-135m gemma3-270m]
     python -m h2o_eval.benchmarks.costs --leaderboard SHARED ONE [--model smollm2-135m] [--documents 40]
+    python -m h2o_eval.benchmarks.costs --parts RECORDS
+
+``--parts`` reads the records in RECORDS that split their CPU time (``generation.cpu_seconds``) and prints, per task
+and model, the CPU seconds per context and cell of each part: the prompt's pass, scoring, the question's pass,
+decoding, the rest of the evaluation (data, scoring the answers) and the model's load (once per run of cells).
 
 Each setting is one ``python -m h2o_eval`` run (the real runner, record and all) on a few documents, in a
 temporary results folder; the model's load (and a GGUF's one-time conversion) is not counted (``load_seconds``).
 
 ``--leaderboard`` estimates, from records, what ``+experiment=kv_leaderboard`` (kvpress's protocol: one question per
 context) costs on all of RULER's thirteen tasks. It reads the records of the preset's cells alone (its policies at
-its budgets, and the full cache), each at its task's mean: a cell of a task costs ``D * c + Q * q`` for D contexts
+its budgets, and the full cache), each at its task's mean CPU time (wall time in records older than their CPU time):
+a cell of a task costs ``D * c + Q * q`` for D contexts
 and Q questions. A task with records of both protocols (``SHARED``: several questions per context, ``ONE``: one)
 gives its own context cost c and question cost q; a task with shared records only takes the mean c of those and its
 own q; a task that asks one question per context in both is its own measure. Each task then counts the preset's
@@ -72,7 +78,8 @@ def measure(model: str, overrides: list[str], data_dir: Path, results: Path) -> 
 
 
 def task_costs(folder: Path, model: str, cells: set[tuple[str, float]]) -> dict[str, tuple[float, int, int]]:
-    """Per long-context task of ``model`` in ``folder``: the mean ``wall_seconds`` of its records of the ``cells``
+    """Per long-context task of ``model`` in ``folder``: the mean ``cpu_seconds`` (else ``wall_seconds``) of its
+    records of the ``cells``
     (:func:`cell`), and the contexts and questions a cell answered (each cell of a task answers the same ones)."""
     from h2o_eval.results import load_records
 
@@ -83,7 +90,7 @@ def task_costs(folder: Path, model: str, cells: set[tuple[str, float]]) -> dict[
         if cell(record["policy_params"], record["budget"]) not in cells:
             continue
         found.setdefault(record["task"], []).append(
-            (record["wall_seconds"], record["n_documents"], record["n_questions"])
+            (record.get("cpu_seconds", record["wall_seconds"]), record["n_documents"], record["n_questions"])
         )
     return {task: (sum(s for s, _, _ in held) / len(held), *held[0][1:]) for task, held in found.items()}
 
@@ -155,6 +162,30 @@ def leaderboard_estimate(
     return rows
 
 
+def parts(folder: Path) -> list[tuple[str, str, int, dict[str, float]]]:
+    """Per (task, model) of the records in ``folder`` that split their CPU time: the cells, and the mean CPU seconds
+    per context and cell of each part (``load``: the model's load, once per run of cells, per context and cell)."""
+    from h2o_eval.generation.log import PARTS
+    from h2o_eval.results import load_records
+
+    found: dict[tuple[str, str], list[dict]] = {}
+    for record in load_records(folder):
+        if "cpu_seconds" in record.get("generation", {}):
+            found.setdefault((record["task"], record["model"]), []).append(record)
+    rows = []
+    for (task, model), records in sorted(found.items()):
+        each = {part: 0.0 for part in (*PARTS, "rest", "load")}
+        for record in records:
+            contexts, split = record["n_documents"], record["generation"]["cpu_seconds"]
+            for part in PARTS:
+                each[part] += split[part] / contexts
+            each["rest"] += (record["cpu_seconds"] - sum(split.values())) / contexts
+            cells = record["generation"].get("shared_prompt_cells", 1)
+            each["load"] += record["load_cpu_seconds"] / cells / contexts
+        rows.append((task, model, len(records), {part: seconds / len(records) for part, seconds in each.items()}))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path)
@@ -162,7 +193,16 @@ def main() -> None:
     parser.add_argument("--leaderboard", nargs=2, type=Path, metavar=("SHARED", "ONE"))
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--documents", type=int, default=40)
+    parser.add_argument("--parts", type=Path, metavar="RECORDS")
     args = parser.parse_args()
+    if args.parts:
+        print("CPU seconds per context and cell, by part")
+        print("| task | model | cells | prompt | scoring | question | decoding | rest | load | total |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for task, model, cells, each in parts(args.parts):
+            numbers = " | ".join(f"{each[part]:.2f}" for part in each)
+            print(f"| {task} | {model} | {cells} | {numbers} | {sum(each.values()):.2f} |")
+        return
     if args.leaderboard:
         policies, budgets, cells = preset_cells()
         rows = leaderboard_estimate(*args.leaderboard, args.model, args.documents, cells)

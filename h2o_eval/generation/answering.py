@@ -14,7 +14,7 @@ question and the cell's :class:`~h2o_eval.generation.log.GenerationLog`:
 - under ``prefill`` and ``simulate`` each question is a prompt of its own (context + question); under ``prefill``
   with several cells the prompt pass, and the first new token, which depends on it alone, are shared.
 
-A cell's time counts its share of a shared pass (and of a stacked decode).
+A cell's time (wall and CPU, the latter by part) counts its share of a shared pass (and of a stacked decode).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import Batch, end_tokens, greedy, make_batch, new_tokens, steps
 from h2o_eval.generation.completion import complete
-from h2o_eval.generation.log import GenerationLog, Progress
+from h2o_eval.generation.log import GenerationLog, Progress, cpu_into, cpu_parts, shared
 from h2o_eval.generation.passes import answer_key, decode, feed, settle
 from h2o_eval.groups import SharedPrompt
 from h2o_eval.policies import Interval, Policy
@@ -131,39 +131,45 @@ class _Answering:
             for i in members
         }
 
-    def _answer(self, i: int, cache: EvictionCache, batch: Batch, seconds: float, units: list[tuple[int, int]]):
-        """Decode one batch of questions through cell ``i``'s ``cache`` and keep its outputs; ``seconds`` already
-        spent on it (a share of a shared pass) count in its decoding time."""
-        began = time.perf_counter()
-        sequences = complete(self.model, cache, batch, self.tokenizer, self.answered, **self.greedy)
-        self._keep(i, batch, sequences, cache, seconds + time.perf_counter() - began, units)
+    def _answer(
+        self, i: int, cache: EvictionCache, batch: Batch, seconds: float, units: list, cpu=None, asked=None
+    ) -> None:
+        """Decode one batch of questions through cell ``i``'s ``cache`` and keep its outputs (logged as ``asked``'s,
+        the batch before a shared pass extended it, where given); ``seconds`` already spent on it (a share of a
+        shared pass; ``cpu``, its CPU seconds by part) count in its time."""
+        began, cpu = time.perf_counter(), cpu or cpu_parts()
+        sequences = complete(self.model, cache, batch, self.tokenizer, self.answered, cpu=cpu, **self.greedy)
+        self._keep(i, asked or batch, sequences, cache, seconds + time.perf_counter() - began, units, cpu)
 
-    def _keep(self, i: int, batch: Batch, sequences, cache, seconds: float, units: list[tuple[int, int]]) -> None:
-        """Log cell ``i``'s finished batch (its ``cache``, the ``seconds`` it cost) and keep a row per question."""
+    def _keep(self, i: int, batch: Batch, sequences, cache, seconds: float, units: list, cpu: dict) -> None:
+        """Log cell ``i``'s finished batch (its ``cache``, the ``seconds`` and the CPU seconds by part it cost) and
+        keep a row per question."""
         answers = self.answers[i]
-        generated = answers.log.add(batch, sequences, cache, seconds, self.ends)
+        generated = answers.log.add(batch, sequences, cache, seconds, self.ends, cpu)
         answers.rows += [(d, k, g) for (d, k), g in zip(units, generated, strict=True)]
         self.progress.update(len(units))
 
-    def _settle(self, caches: dict[int, EvictionCache], ids, mask) -> dict[int, float]:
+    def _settle(self, caches: dict[int, EvictionCache], ids, mask, cpu: dict[int, dict]) -> dict[int, float]:
         """Compress the cells' deferred contexts after their policies' extra passes (not the oracle's, whose passes
         differ per question): one run of the passes for the cells whose policies differ only in budget
         (:meth:`~h2o_eval.policies.Policy.rehearsal_identity`), the others taking its scores. Returns each cell's
-        share of the time."""
+        share of the time (and its CPU seconds in ``cpu``'s ``scoring``)."""
         spent = dict.fromkeys(caches, 0.0)
         together: dict[str, list[int]] = {}
         for i, cache in caches.items():
             if cache.deferred and not cache.policy.needs_answer:
                 together.setdefault(cache.policy.rehearsal_identity(), []).append(i)
         for first, *rest in together.values():
-            began = time.perf_counter()
-            settle(
-                self.model, caches[first], self.tokenizer, ids, mask, [[]] * ids.shape[0],
-                siblings=[caches[j] for j in rest], **self.greedy,
-            )  # fmt: skip
+            began, scoring = time.perf_counter(), cpu_parts()
+            with cpu_into(scoring, "scoring"):
+                settle(
+                    self.model, caches[first], self.tokenizer, ids, mask, [[]] * ids.shape[0],
+                    siblings=[caches[j] for j in rest], **self.greedy,
+                )  # fmt: skip
             share = (time.perf_counter() - began) / (1 + len(rest))
             for j in (first, *rest):
                 spent[j] = share
+                cpu[j]["scoring"] += scoring["scoring"] / (1 + len(rest))
         return spent
 
     def contexts(self, members: list[int]) -> None:
@@ -185,11 +191,13 @@ class _Answering:
                 split=False,
             )  # fmt: skip
             caches = self._caches(members, "context")
-            began = time.perf_counter()
+            began, prompt = time.perf_counter(), cpu_parts()
             feeder = caches[members[0]] if len(members) == 1 else SharedPrompt(list(caches.values()))
-            feed(self.model, feeder, contexts.input_ids, contexts.attention_mask)
+            with cpu_into(prompt, "prompt"):
+                feed(self.model, feeder, contexts.input_ids, contexts.attention_mask)
             del feeder  # a SharedPrompt holds every cache's layers: each is freed once its cell has answered
             share = (time.perf_counter() - began) / len(members)
+            cpu = {i: shared(prompt, len(members)) for i in members}
             groups = [
                 (k, [r for r, item in enumerate(items) if len(item.questions) > k and len(item.questions[k]) == n])
                 for k in range(max(len(item.questions) for item in items))
@@ -197,7 +205,7 @@ class _Answering:
             ]
             ids, mask = contexts.input_ids, contexts.attention_mask
             self.progress.phase(f"documents {indices[0] + 1}-{indices[-1] + 1}: answering")
-            settled = self._settle(caches, ids, mask)
+            settled = self._settle(caches, ids, mask, cpu)
             batches = []
             for k, rows in groups:
                 questions = torch.tensor([items[r].questions[k] for r in rows], device=self.device)
@@ -209,15 +217,17 @@ class _Answering:
                 )
                 batches.append((rows, batch, [(indices[r], k) for r in rows]))
             if self.settings.stack and len(members) > 1:
-                self._answer_together({i: caches.pop(i) for i in members}, batches, share, settled)
+                self._answer_together({i: caches.pop(i) for i in members}, batches, share, settled, cpu)
             for i in [i for i in members if i in caches]:
-                cache, seconds = caches.pop(i), share + settled[i]
+                cache, seconds, spent = caches.pop(i), share + settled[i], cpu[i]
                 for position, (rows, batch, units) in enumerate(batches):
                     last = position == len(batches) - 1 and len(rows) == len(items)
-                    self._answer(i, cache if last else cache.fork(rows), batch, seconds, units)
-                    seconds = 0.0
+                    self._answer(i, cache if last else cache.fork(rows), batch, seconds, units, spent)
+                    seconds, spent = 0.0, None
 
-    def _answer_together(self, caches: dict[int, EvictionCache], batches: list, share: float, settled: dict) -> None:
+    def _answer_together(
+        self, caches: dict[int, EvictionCache], batches: list, share: float, settled: dict, cpu: dict[int, dict]
+    ) -> None:
         """``stack``: each group of questions is answered by every cell in ``caches`` (compressed, under
         ``decoding=grow``) in one batch, their copies stacked (:meth:`~h2o_eval.cache.EvictionCache.stack`); each
         cell then keeps its rows, as long as its own generation would have run, and the peak its cache would
@@ -231,7 +241,7 @@ class _Answering:
         for rows, batch, units in batches:
             full = [caches[asking[0]].fork(rows).full_copy()] if asking else []
             forks = [caches[i].fork(rows) for i in plain] + full
-            sequences, spent = self._decode_stacked(forks, plain, batch, units, seconds)
+            sequences, spent, full_cpu = self._decode_stacked(forks, plain, batch, units, seconds, cpu)
             if not asking:
                 continue
             width = batch.context_width
@@ -242,33 +252,38 @@ class _Answering:
             for i in asking:  # one uncompressed copy of the context at a time
                 began = time.perf_counter()
                 fork = caches[i].fork(rows)
-                settle(
-                    self.model, fork, self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
-                    questions, answered=self.answered, **self.greedy,
-                )  # fmt: skip
+                with cpu_into(cpu[i], "scoring"):
+                    settle(
+                        self.model, fork, self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
+                        questions, answered=self.answered, **self.greedy,
+                    )  # fmt: skip
                 compressed.append(fork)
                 seconds[i] += spent / len(asking) + time.perf_counter() - began
-            self._decode_stacked(compressed, asking, batch, units, seconds)
+                for part, value in full_cpu.items():
+                    cpu[i][part] += value / len(asking)
+            self._decode_stacked(compressed, asking, batch, units, seconds, cpu)
 
-    def _decode_stacked(self, forks: list, cells: list[int], batch: Batch, units: list, seconds: dict) -> tuple:
+    def _decode_stacked(
+        self, forks: list, cells: list[int], batch: Batch, units: list, seconds: dict, cpu: dict[int, dict]
+    ) -> tuple:
         """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies: each of those
         keeps its rows, cut to the steps its own generation would have run, and the peak its cache would have
-        reached. Returns every fork's sequences and the decoding time per fork."""
-        began = time.perf_counter()
+        reached. Returns every fork's sequences, and the decoding time and CPU seconds by part per fork."""
+        began, decoded = time.perf_counter(), cpu_parts()
         stacked = EvictionCache.stack(forks)
         ids, mask = batch.input_ids.repeat(len(forks), 1), batch.attention_mask.repeat(len(forks), 1)
         together = Batch(ids, mask, batch.context_width)
-        sequences = complete(self.model, stacked, together, self.tokenizer, **self.greedy)
+        sequences = complete(self.model, stacked, together, self.tokenizer, cpu=decoded, **self.greedy)
         del stacked
-        spent = (time.perf_counter() - began) / len(forks)
+        spent, each = (time.perf_counter() - began) / len(forks), shared(decoded, len(forks))
         width, question, rows = ids.shape[1], ids.shape[1] - batch.context_width, batch.input_ids.shape[0]
         own = [sequences[c * rows : (c + 1) * rows] for c in range(len(forks))]
         for i, fork, sequence in zip(cells, forks, own, strict=False):
             cut = sequence[:, : width + steps(self.model, sequence, width)]
             fork.peak_entries = fork.grown_peak(question + cut.shape[1] - width - 1)
-            self._keep(i, batch, cut, fork, seconds[i] + spent, units)
-            seconds[i] = 0.0
-        return own, spent
+            self._keep(i, batch, cut, fork, seconds[i] + spent, units, {k: v + each[k] for k, v in cpu[i].items()})
+            seconds[i], cpu[i] = 0.0, cpu_parts()
+        return own, spent, each
 
     def prompts(self, members: list[int], protocol: str) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
@@ -290,13 +305,14 @@ class _Answering:
                     self._answer(i, cache, batch, 0.0, chunk)
                 continue
             caches = self._caches(members, protocol)
-            began = time.perf_counter()
-            shared = SharedPrompt(list(caches.values()))
+            began, prompt = time.perf_counter(), cpu_parts()
+            together = SharedPrompt(list(caches.values()))
             first = decode(
-                self.model, shared, batch.input_ids, batch.attention_mask, **self.greedy | {"max_new_tokens": 1}
-            )
-            del shared
-            share = (time.perf_counter() - began) / len(members)
+                self.model, together, batch.input_ids, batch.attention_mask, cpu=prompt, first="prompt",
+                **self.greedy | {"max_new_tokens": 1},
+            )  # fmt: skip
+            del together
+            share, each = (time.perf_counter() - began) / len(members), shared(prompt, len(members))
             extended = Batch(
                 first,
                 torch.cat([batch.attention_mask, batch.attention_mask.new_ones(len(chunk), 1)], dim=-1),
@@ -304,6 +320,4 @@ class _Answering:
             )
             for i in members:
                 cache = caches.pop(i)
-                began = time.perf_counter()
-                sequences = complete(self.model, cache, extended, self.tokenizer, self.answered, **self.greedy)
-                self._keep(i, batch, sequences, cache, share + time.perf_counter() - began, chunk)
+                self._answer(i, cache, extended, share, chunk, dict(each), batch)

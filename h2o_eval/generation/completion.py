@@ -11,7 +11,7 @@ import torch
 
 from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import Batch, end_tokens
-from h2o_eval.generation.log import GenerationLog
+from h2o_eval.generation.log import GenerationLog, cpu_into, cpu_parts
 from h2o_eval.generation.passes import decode, feed, settle
 from h2o_eval.policies import Interval, Policy
 
@@ -23,6 +23,7 @@ def complete(
     tokenizer: Any,
     answered: dict[Any, list[list[int]]] | None = None,
     generate: Callable[..., torch.Tensor] | None = None,
+    cpu: dict[str, float] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """The one path of a batch through a cache: feed, compress, decode. ``cache`` is empty or already holds what
@@ -34,18 +35,23 @@ def complete(
     rest follows the compression. ``generate(ids, mask, **kwargs)`` decodes (default :func:`decode` through the
     cache; lm-eval passes its own, which stops at the task's stop sequences); ``kwargs`` are its settings, with
     ``max_new_tokens``. Returns the sequences (prompt + new tokens). ``answered``: the full cache's answers the
-    oracle's passes need, kept across calls (:func:`settle`)."""
+    oracle's passes need, kept across calls (:func:`settle`). ``cpu``: where the CPU seconds of its parts go
+    (:data:`~h2o_eval.generation.log.PARTS`; the default ``generate``'s forwards only)."""
     ids, mask, width = batch.input_ids, batch.attention_mask, batch.context_width
+    first = "prompt"  # the part the next generate call's first forward is
     if generate is None:
 
         def generate(ids: torch.Tensor, mask: torch.Tensor, **settings: Any) -> torch.Tensor:
-            return decode(model, cache, ids, mask, tokenizer=tokenizer, **settings)
+            return decode(model, cache, ids, mask, cpu=cpu, first=first, tokenizer=tokenizer, **settings)
 
     if width is not None and width < ids.shape[1]:
         if cache.get_seq_length() == 0:
-            feed(model, cache, ids[:, :width], mask[:, :width])
+            with cpu_into(cpu, "prompt"):
+                feed(model, cache, ids[:, :width], mask[:, :width])
         questions = ids[:, width:].tolist()
-        settle(model, cache, tokenizer, ids[:, :width], mask[:, :width], questions, answered=answered, **kwargs)
+        with cpu_into(cpu, "scoring"):
+            settle(model, cache, tokenizer, ids[:, :width], mask[:, :width], questions, answered=answered, **kwargs)
+        first = "question"
         return generate(ids, mask, **kwargs)
     if not cache.deferred and not batch.generated:
         return generate(ids, mask, **kwargs)
@@ -54,7 +60,9 @@ def complete(
         ids = generate(ids, mask, **_part(kwargs, 0, 1))
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], ids.shape[1] - prompt)], dim=-1)
     rows = [[] for _ in range(ids.shape[0])]
-    settle(model, cache, tokenizer, ids[:, :prompt], mask[:, :prompt], rows, answered=answered, **kwargs)
+    with cpu_into(cpu, "scoring"):
+        settle(model, cache, tokenizer, ids[:, :prompt], mask[:, :prompt], rows, answered=answered, **kwargs)
+    first = "decoding"
     done = ids.shape[1] - prompt
     rest = (kwargs.get("max_new_tokens") or 1) - done
     return ids if rest <= 0 else generate(ids, mask, **_part(kwargs, done, rest))
@@ -102,6 +110,6 @@ def run_batch(
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """:func:`generate` one batch and log it (:meth:`GenerationLog.add`), timing the generation."""
-    began = time.perf_counter()
-    sequences, cache = generate(model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, **kwargs)
-    return log.add(batch, sequences, cache, time.perf_counter() - began, end_tokens(tokenizer))
+    began, cpu = time.perf_counter(), cpu_parts()
+    sequences, cache = generate(model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, cpu=cpu, **kwargs)
+    return log.add(batch, sequences, cache, time.perf_counter() - began, end_tokens(tokenizer), cpu)

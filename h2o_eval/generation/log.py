@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,55 @@ import torch
 from h2o_eval.cache import EvictionCache
 from h2o_eval.capacity import CapacityLog
 from h2o_eval.generation.batches import Batch, new_tokens
+
+# The parts of a generation's CPU time in a record (``generation.cpu_seconds``): the prompt's pass (the context's under
+# protocol=context; a cell's share where cells share it), scoring (a policy's extra passes and the compression they
+# decide), the question's pass (its columns after a compressed context) and decoding (a token a forward).
+PARTS = ("prompt", "scoring", "question", "decoding")
+
+
+def cpu_parts() -> dict[str, float]:
+    return dict.fromkeys(PARTS, 0.0)
+
+
+@contextmanager
+def cpu_into(parts: dict[str, float] | None, part: str) -> Iterator[None]:
+    """Add the block's CPU seconds (the process's, every thread's) to ``parts[part]`` (nothing where ``parts`` is
+    None)."""
+    began = time.process_time()
+    try:
+        yield
+    finally:
+        if parts is not None:
+            parts[part] += time.process_time() - began
+
+
+@contextmanager
+def forwards_into(model: Any, parts: dict[str, float] | None, first: str) -> Iterator[None]:
+    """Add the CPU seconds of each forward of ``model`` in the block to ``parts``: the first forward's to ``first``
+    (the question's columns, or the prompt's), every later one's (a token each) to ``decoding``."""
+    if parts is None:
+        yield
+        return
+    began: list[float] = []
+
+    def before(module: Any, args: Any) -> None:
+        began.append(time.process_time())
+
+    def after(module: Any, args: Any, output: Any) -> None:
+        parts[first if len(began) == 1 else "decoding"] += time.process_time() - began[-1]
+
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def shared(parts: Mapping[str, float], count: int) -> dict[str, float]:
+    """Each of ``count`` cells' share of ``parts`` spent on them together."""
+    return {part: seconds / count for part, seconds in parts.items()}
 
 
 class Progress:
@@ -75,13 +126,21 @@ class GenerationLog:
     full_entries: int = 0
     entry_bytes: int = 0
     graphs_failed: str | None = None  # why a cache's decode steps could not be captured as CUDA graphs (then eager)
+    cpu: dict[str, float] = field(default_factory=cpu_parts)  # CPU seconds by part (PARTS)
 
     def add(
-        self, batch: Batch, sequences: torch.Tensor, cache: EvictionCache, seconds: float, ends: set[int]
+        self,
+        batch: Batch,
+        sequences: torch.Tensor,
+        cache: EvictionCache,
+        seconds: float,
+        ends: set[int],
+        cpu: Mapping[str, float] | None = None,
     ) -> list[dict[str, Any]]:
         """Log one finished batch; returns per row its generated ``tokens`` and the fields every output row holds:
         ``prompt_tokens``, ``generated_tokens``, ``capacity`` (C, mean over layers and KV heads), ``budget_tokens``
-        (the length the budget applied to) and ``kv_entries`` (KV entries kept, summed over layers and heads)."""
+        (the length the budget applied to) and ``kv_entries`` (KV entries kept, summed over layers and heads).
+        ``cpu``: the batch's CPU seconds by part (:data:`PARTS`)."""
         generated = new_tokens(sequences, batch.input_ids.shape[1], ends)
         capacities = self.capacity.add(cache)
         entries = self.capacity.entries[-len(generated) :]
@@ -90,6 +149,8 @@ class GenerationLog:
         self.prompt_tokens += sum(prompts)
         self.generated_tokens += sum(len(tokens) for tokens in generated)
         self.seconds += seconds
+        for part, spent in (cpu or {}).items():
+            self.cpu[part] += spent
         self.peak_entries = max(self.peak_entries, cache.peak_entries)
         self.allocated_bytes += cache.kv_bytes() * len(generated) / len(cache.lengths)
         # What a full cache would hold: the longest prompt plus every fed step (the last token is never fed).
@@ -114,8 +175,8 @@ class GenerationLog:
     def fields(self) -> dict[str, Any]:
         """The record's ``generation`` (token means, tokens/s, KV peak and full-cache entries per KV head and the
         bytes they take over all layers and heads, and the bytes of keys and values a sequence's cache allocated at
-        its end, spare slots included; where capturing a decode step raised, why: ``graphs_failed``, the run then
-        decoded eagerly) and ``capacity``."""
+        its end, spare slots included; the CPU seconds by part, ``cpu_seconds``; where capturing a decode step
+        raised, why: ``graphs_failed``, the run then decoded eagerly) and ``capacity``."""
         n = max(self.rows, 1)
         return {
             "generation": {
@@ -128,6 +189,7 @@ class GenerationLog:
                 "kv_full_entries": self.full_entries,
                 "kv_full_bytes": self.full_entries * self.entry_bytes,
                 "kv_allocated_bytes_mean": self.allocated_bytes / n,
+                "cpu_seconds": {part: round(spent, 3) for part, spent in self.cpu.items()},
             }
             | ({} if self.graphs_failed is None else {"graphs_failed": self.graphs_failed}),
             "capacity": self.capacity.stats(),

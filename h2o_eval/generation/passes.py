@@ -11,6 +11,7 @@ import torch
 
 from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import end_tokens, new_tokens
+from h2o_eval.generation.log import forwards_into
 from h2o_eval.groups import SharedPrompt
 from h2o_eval.policies import Full
 from h2o_eval.policies.inputs import Script
@@ -30,9 +31,18 @@ def feed(model: Any, cache: EvictionCache | SharedPrompt, input_ids: torch.Tenso
         )
 
 
-def decode(model: Any, cache: EvictionCache, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any):
-    """``model.generate`` through ``cache`` (already fed whatever precedes ``input_ids``' unseen columns)."""
-    with torch.no_grad():
+def decode(
+    model: Any,
+    cache: EvictionCache,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cpu: dict[str, float] | None = None,
+    first: str = "question",
+    **kwargs: Any,
+):
+    """``model.generate`` through ``cache`` (already fed whatever precedes ``input_ids``' unseen columns); its
+    forwards' CPU seconds go to ``cpu`` (:func:`~h2o_eval.generation.log.forwards_into`: the first to ``first``)."""
+    with torch.no_grad(), forwards_into(model, cpu, first):
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
 
 
