@@ -14,6 +14,7 @@ from hydra.utils import to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from h2o_eval.checks import check_settings
 from h2o_eval.composed import plain_config
 from h2o_eval.errors import ConfigError, fail
 from h2o_eval.names import unknown_keys, unknown_names
@@ -27,8 +28,6 @@ def main(cfg: DictConfig) -> str:
     """One run. In a sweep a failing run does not stop the others: its error goes to a record of its own, with its
     traceback (the terminal gets one ``failed:`` line), and every job leaves ``status.json`` (ran, skipped or
     failed) for the sweep's summary."""
-    from h2o_eval.run import execute, record_failure, validate  # torch, transformers: after the names were checked
-
     hydra_config = HydraConfig.get()
     work_dir = Path(hydra_config.runtime.output_dir)
     sweeping = hydra_config.mode == RunMode.MULTIRUN
@@ -40,12 +39,17 @@ def main(cfg: DictConfig) -> str:
             config["threads"] = default_threads(OmegaConf.to_container(hydra_config.launcher, resolve=True))
         if sweeping and config["wandb"]["group"] is None:
             config["wandb"]["group"] = Path(hydra_config.sweep.dir).name
+        check_settings(config)  # before torch and transformers load
+        from h2o_eval.run import execute, validate
+
         status["status"], _ = execute(validate(config), work_dir, given=config)
     except Exception as error:
         if not sweeping:
             if isinstance(error, ConfigError):
                 fail(error)
             raise
+        from h2o_eval.run import record_failure
+
         status |= {
             "status": "failed",
             "error": f"{type(error).__name__}: {error}",

@@ -22,11 +22,15 @@ class ValidateFirst(Callback):
     job; under ``on_error=skip`` the invalid jobs fail in their turn (:func:`h2o_eval.__main__.main`)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from h2o_eval.checks import check_settings
         from h2o_eval.errors import fail
-        from h2o_eval.run import validate
 
         try:
-            validate(plain_config(config))
+            settings = plain_config(config)
+            check_settings(settings)  # before torch and transformers load
+            from h2o_eval.run import validate
+
+            validate(settings)
         except ConfigError as error:
             fail(error)
 

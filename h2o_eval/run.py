@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import results, settings, tracking
+from h2o_eval.checks import check_settings, is_int
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import (
     Policy,
@@ -35,12 +36,6 @@ from h2o_eval.threads import default_threads
 TINY_KEPT_FRACTION = 0.1  # an integer budget keeping less than this share of the sequence is worth a warning
 PROC_STATUS = Path("/proc/self/status")
 PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
-WANDB_MODES = ("offline", "online", "disabled")
-ON_ERROR = ("stop", "skip")  # a sweep's or grid's invalid jobs: stop before anything runs, or run the others
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -66,36 +61,20 @@ def validate(config: dict[str, Any]) -> Spec:
     hub data must be reachable (in the local cache, or the hub online), so a bad input stops the run with one line
     instead of a traceback later.
     """
+    check_settings(config)
     task = config["task"]
     check_task_keys(task)
     policy = configured_policy(config)
     runner = runner_of(task)
-    limit = config["limit"]
-    if limit is not None and not (_is_int(limit) and limit >= 1) and not (isinstance(limit, float) and 0 < limit < 1):
-        raise ConfigError(f"limit={limit!r}: use a document count >= 1, a fraction in (0, 1), or null for all")
     num_fewshot = runner.default_fewshot(task) if config["num_fewshot"] is None else config["num_fewshot"]
-    if not _is_int(num_fewshot) or num_fewshot < 0:
-        raise ConfigError(f"num_fewshot={num_fewshot!r}: use an integer >= 0")
-    if not _is_int(config["batch_size"]) or config["batch_size"] < 1:
-        raise ConfigError(f"batch_size={config['batch_size']!r}: use an integer >= 1")
     stack = config["stack_cells"]
-    if not isinstance(config["stack_cells"], bool):
-        raise ConfigError(f"stack_cells={config['stack_cells']!r}: use true or false")
-    if config["graphs"] not in (True, False, "emulate"):
-        raise ConfigError(f"graphs={config['graphs']!r}: use true, false or emulate")
-    if config["graphs"] == "emulate" and config["kernels"] == "triton":
-        raise ConfigError("graphs=emulate replays aten operations, which Triton's kernels are not: use kernels=torch")
     protocol = config["protocol"] or runner.default_protocol(task)
     if stack and (runner.name != "long_context" or protocol != "context" or config["decoding"] != "grow"):
         raise ConfigError(
             "stack_cells=true answers the cells of a RULER-style task together under protocol=context decoding=grow "
             "only: set those, or stack_cells=false"
         )
-    if not _is_int(config["seed"]):
-        raise ConfigError(f"seed={config['seed']!r}: use an integer")
     threads = default_threads(None) if config["threads"] is None else config["threads"]
-    if not _is_int(threads) or threads < 1:
-        raise ConfigError(f"threads={threads!r}: use an integer >= 1, or null for the cores this job may use")
     if (reason := runner.refusal(task, policy)) is not None:
         raise ConfigError(f"policy={policy.name} {reason}")
     check_protocol(policy, protocol, config["kernels"])
@@ -107,13 +86,6 @@ def validate(config: dict[str, Any]) -> Spec:
     resolve_dtype(config["dtype"], device)
     if config["kernels"] == "triton":
         check_kernels("triton", device.type)
-    if config["on_error"] not in ON_ERROR:
-        raise ConfigError(f"on_error={config['on_error']!r}: use one of {', '.join(ON_ERROR)}")
-    if config["wandb"]["mode"] not in WANDB_MODES:
-        raise ConfigError(f"wandb.mode={config['wandb']['mode']!r}: use one of {', '.join(WANDB_MODES)}")
-    timeout = config["wandb"]["init_timeout"]
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or timeout <= 0:
-        raise ConfigError(f"wandb.init_timeout={timeout!r}: use a number of seconds > 0")
     resolved = {**config, "protocol": protocol, "budget": policy.budget, "num_fewshot": num_fewshot, "threads": threads}
     check_available(config["model"])
     runner.check(resolved)
@@ -316,7 +288,7 @@ def _vm_hwm() -> int | None:
 def _warn_tiny_budget(record: dict[str, Any]) -> None:
     """An integer budget counts tokens: ``budget=1`` keeps one token where ``budget=1.0`` keeps everything."""
     kept = record.get("capacity", {}).get("kept_fraction_mean")
-    if _is_int(record["budget"]) and kept is not None and kept < TINY_KEPT_FRACTION:
+    if is_int(record["budget"]) and kept is not None and kept < TINY_KEPT_FRACTION:
         print(
             f"warning: budget={record['budget']} is a number of tokens and kept {kept:.0%} of the sequence on "
             "average; a fraction of the sequence is a float in (0, 1] (budget=1.0 is the full cache)",

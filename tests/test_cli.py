@@ -268,3 +268,27 @@ def test_bad_input_is_one_line_before_any_model_and_leaves_nothing(tmp_path, dat
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
     assert done.stdout == "" and set(tmp_path.rglob("*")) == before  # no results/, no hydra/ folder
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("budget=1.5",), "error: budget=1.5: use a fraction in (0, 1]"),
+        (("task=piqa", "rounding=sideways"), "error: rounding='sideways': use one of up, down"),
+        (("task=niah_single_1", "threads=0"), "error: threads=0: use an integer >= 1"),
+        (("task=xsum", "limit=0"), "error: limit=0: use a document count >= 1"),
+    ],
+)
+def test_a_setting_checked_by_its_value_is_refused_before_torch_transformers_or_lm_eval_load(tmp_path, args, message):
+    """Refused in one line with exit status 2, whatever the task's runner, without importing what takes seconds to
+    import (``-X importtime`` lists every module the process imported)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "h2o_eval", *args, f"results_dir={tmp_path}"],
+        cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), done.stderr[-2000:]
+    assert not imported & {"torch", "transformers", "lm_eval.tasks", "datasets"}
+    assert "h2o_eval.run" not in imported and "h2o_eval.checks" in imported

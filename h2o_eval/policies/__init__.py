@@ -13,12 +13,12 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any
 
+from h2o_eval.checks import ROUNDINGS
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies.base import (
     DECODINGS,
     KERNELS,
     PROTOCOLS,
-    ROUNDINGS,
     UNBOUNDED,
     Interval,
     Plan,

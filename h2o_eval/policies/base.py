@@ -24,13 +24,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from h2o_eval.checks import check_budget
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
 
 PROTOCOLS = ("simulate", "prefill", "context")
-# How a fraction budget b of a length L becomes C: up = ceil(b * L) (the default: C never falls short of the
-# budget), down = int(b * L) (kvpress's int(L * (1 - compression_ratio))); C is at least 1 either way.
-ROUNDINGS = ("up", "down")
 # After a prefill/context compression: evict = the policy's own rule (evicting policies keep evicting one token per
 # arriving token); grow = nothing is evicted after the compression (kvpress's pipeline, whose presses act once);
 # interval = nothing is evicted by an arriving token, and every ``compression_interval`` forwards the cache is
@@ -202,8 +200,8 @@ class Policy:
 
     Args:
         budget: fraction of the sequence in (0, 1], or an integer number of tokens >= 1.
-        rounding: how a fraction budget becomes C (``ROUNDINGS``): ``up`` = ceil(budget * length), ``down`` =
-            int(budget * length) as kvpress rounds its kept count; C is at least 1.
+        rounding: how a fraction budget becomes C (:data:`~h2o_eval.checks.ROUNDINGS`): ``up`` = ceil(budget *
+            length), ``down`` = int(budget * length) as kvpress rounds its kept count; C is at least 1.
     """
 
     budget: float | int = 0.2
@@ -223,15 +221,7 @@ class Policy:
     held_forwards: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
-        budget = self.budget
-        is_int = isinstance(budget, int) and not isinstance(budget, bool)
-        if not (is_int and budget >= 1) and not (isinstance(budget, float) and 0 < budget <= 1):
-            raise ConfigError(
-                f"budget={budget!r}: use a fraction in (0, 1] such as 0.2, or a token count >= 1 (1 is one token; "
-                "1.0 the whole cache)"
-            )
-        if self.rounding not in ROUNDINGS:
-            raise ConfigError(f"rounding={self.rounding!r}: use one of {', '.join(ROUNDINGS)}")
+        check_budget(self.budget, self.rounding)
 
     @property
     def rule(self) -> Rule:

@@ -12,6 +12,7 @@ The model is :class:`~h2o_eval.eviction_lm.EvictionLM` under :func:`~h2o_eval.ba
 from __future__ import annotations
 
 import functools
+import importlib.util
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +23,6 @@ import yaml
 from h2o_eval import hub
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import configured_interval
 from h2o_eval.runners import Evaluation, Runner, task_registry
 
 
@@ -71,9 +71,20 @@ def source_yaml(task: dict[str, Any]) -> Path:
 
 def task_config(task: Mapping[str, Any]) -> dict[str, Any]:
     """The task's lm-eval config as lm-eval reads it (``include:`` resolved, ``!function`` left unresolved)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+    return _yaml_loader().load_yaml(source_yaml(task), resolve_func=False)
 
-    return load_yaml(source_yaml(task), resolve_func=False)
+
+@functools.cache
+def _yaml_loader() -> Any:
+    """lm-eval's YAML loader (``lm_eval/tasks/_yaml_loader.py``, which imports yaml alone), loaded from its file:
+    importing it as ``lm_eval.tasks._yaml_loader`` would import ``lm_eval.tasks`` first, its task index with
+    datasets and pandas (over a second), before a setting could be refused."""
+    spec = importlib.util.spec_from_file_location(
+        "h2o_eval_lm_eval_yaml_loader", lm_eval_tasks_dir() / "_yaml_loader.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def output_type(task: dict[str, Any]) -> str:
@@ -251,6 +262,7 @@ class LmEvalRunner(Runner):
 
         from h2o_eval.backend import patch
         from h2o_eval.eviction_lm import EvictionLM
+        from h2o_eval.policies import configured_interval
 
         task = dict(config["task"])
         with tempfile.TemporaryDirectory(prefix="h2o_eval-lm_eval-") as folder:

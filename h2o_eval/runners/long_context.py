@@ -23,7 +23,6 @@ from typing import Any
 
 from h2o_eval import ruler
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import configured_interval
 from h2o_eval.runners import Evaluation, Runner
 
 CONTROL = re.compile(r"[\x00-\x1f]")
@@ -167,6 +166,7 @@ class LongContextRunner(Runner):
         documents whose full caches, one per cell, fit in half of the memory available (``batch_size`` at most)."""
         from h2o_eval import generation
         from h2o_eval.attention import kv_bytes_per_token
+        from h2o_eval.policies import configured_interval
 
         config = cells[0][1]
         task = config["task"]

@@ -15,7 +15,6 @@ import yaml
 from h2o_eval import hub
 from h2o_eval.data import read_jsonl
 from h2o_eval.errors import ConfigError
-from h2o_eval.policies import configured_interval
 from h2o_eval.runners import Evaluation, Runner
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
@@ -129,6 +128,7 @@ class SummarisationRunner(Runner):
         import torch
 
         from h2o_eval import generation
+        from h2o_eval.policies import configured_interval
 
         task, protocol, settings = config["task"], config["protocol"], config["generation"]
         form = template(task)
