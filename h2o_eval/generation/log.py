@@ -17,8 +17,9 @@ from h2o_eval.capacity import CapacityLog
 from h2o_eval.generation.batches import Batch, new_tokens
 
 # The parts of a generation's CPU time in a record (``generation.cpu_seconds``): the prompt's pass (the context's under
-# protocol=context; a cell's share where cells share it), scoring (a policy's extra passes and the compression they
-# decide), the question's pass (its columns after a compressed context) and decoding (a token a forward).
+# protocol=context; a cell's share where cells share it), with the compression a policy makes as its prompt comes;
+# scoring (a policy's extra passes, KVzip's repeat or the oracle's answer, and the compression they decide); the
+# question's pass (its columns after a compressed context); decoding (a token a forward).
 PARTS = ("prompt", "scoring", "question", "decoding")
 
 
