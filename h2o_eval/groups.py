@@ -92,6 +92,18 @@ class StackedCache(Cache):
     def eviction_layer(self, layer: int) -> StackedLayer:
         return self.layers[layer]
 
+    def rows(self, keep: list[int]) -> StackedCache:
+        """These caches' sequences ``keep`` (increasing indices over the stack) stacked again, to go on with those
+        alone: each view keeps its own of them (:meth:`~h2o_eval.cache.EvictionCache.fork`), and a view none of
+        whose sequences is kept leaves."""
+        views, start = [], 0
+        for view in self.views:
+            count = len(view.lengths)
+            if own := [row - start for row in keep if start <= row < start + count]:
+                views.append(view.fork(own))
+            start += count
+        return StackedCache(views)
+
     def check_attended(self) -> None:
         for layer in self.layers:
             layer.check_attended()

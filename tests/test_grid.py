@@ -237,6 +237,41 @@ def test_a_stack_decodes_each_cache_as_alone_and_leaves_the_caches_as_they_were(
             assert torch.equal(layer.keys, keys) and torch.equal(layer.held, slots)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate_carried_to_the_end(name, monkeypatch):
+    """Reference: a stack of compressed caches decoding a question in one ``generate``, every row carried to the
+    longest answer; implementation: :func:`decode_leaving`, each row leaving the batch at its end of sequence (a
+    token the rows generate at different steps). The same sequences, and ``generate`` ran again as rows left."""
+    model, _ = load_model(name, device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randint(5, model.config.vocab_size, (2, 48), generator=generator)
+    prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (2, 6), generator=generator)], 1)
+    cells = [("full", 1.0), ("h2o", 0.3), ("snapkv", 0.5), ("streaming", 0.2)]
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+
+    def stacked():
+        caches = [EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow") for p, b in cells]
+        generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
+        return EvictionCache.stack(caches)
+
+    ids = prompt.repeat(len(cells), 1)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)
+    free = generation.decode(model, stacked(), ids, None, **settings)[:, ids.shape[1] :]
+    ends = {}  # a token and the rows that generate it first at a step of their own, the first three steps not
+    for row in range(free.shape[0]):
+        for step, token in enumerate(free[row].tolist()[:9]):
+            ends.setdefault(token, {}).setdefault(row, step)
+    token = max(ends, key=lambda t: (len(set(ends[t].values())), len(ends[t])))
+    assert len(set(ends[token].values())) >= 2, "rows should end at different steps here, or the test proves little"
+    monkeypatch.setattr(model.generation_config, "eos_token_id", token)
+    carried = generation.decode(model, stacked(), ids, torch.ones_like(ids), **settings)
+    calls, decode = [], generation.passes.decode
+    monkeypatch.setattr(generation.passes, "decode", lambda *a, **k: calls.append(a[2].shape[0]) or decode(*a, **k))
+    leaving = generation.passes.decode_leaving(model, stacked(), ids, torch.ones_like(ids), **settings)
+    assert torch.equal(leaving, carried[:, : leaving.shape[1]]) and (carried[:, leaving.shape[1] :] == 0).all()
+    assert len(calls) >= 2 and calls == sorted(calls, reverse=True) and calls[-1] < len(ids)
+
+
 def test_only_compressed_caches_that_evict_nothing_more_and_saw_the_same_tokens_are_stacked():
     model, _ = load_model("tiny-llama", device="cpu")
     ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))

@@ -30,7 +30,7 @@ from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import Batch, end_tokens, greedy, make_batch, new_tokens, steps
 from h2o_eval.generation.completion import complete
 from h2o_eval.generation.log import GenerationLog, Progress, cpu_into, cpu_parts, shared
-from h2o_eval.generation.passes import answer_key, decode, feed, settle
+from h2o_eval.generation.passes import answer_key, decode, decode_leaving, feed, settle
 from h2o_eval.groups import SharedPrompt
 from h2o_eval.policies import Interval, Policy
 
@@ -266,15 +266,13 @@ class _Answering:
     def _decode_stacked(
         self, forks: list, cells: list[int], batch: Batch, units: list, seconds: dict, cpu: dict[int, dict]
     ) -> tuple:
-        """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies: each of those
-        keeps its rows, cut to the steps its own generation would have run, and the peak its cache would have
-        reached. Returns every fork's sequences, and the decoding time and CPU seconds by part per fork."""
+        """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies, a row leaving the
+        batch when its answer ends (:func:`~h2o_eval.generation.passes.decode_leaving`): each of those keeps its
+        rows, cut to the steps its own generation would have run, and the peak its cache would have reached.
+        Returns every fork's sequences, and the decoding time and CPU seconds by part per fork."""
         began, decoded = time.perf_counter(), cpu_parts()
-        stacked = EvictionCache.stack(forks)
         ids, mask = batch.input_ids.repeat(len(forks), 1), batch.attention_mask.repeat(len(forks), 1)
-        together = Batch(ids, mask, batch.context_width)
-        sequences = complete(self.model, stacked, together, self.tokenizer, cpu=decoded, **self.greedy)
-        del stacked
+        sequences = self._generate_stacked(forks, Batch(ids, mask, batch.context_width), decoded)
         spent, each = (time.perf_counter() - began) / len(forks), shared(decoded, len(forks))
         width, question, rows = ids.shape[1], ids.shape[1] - batch.context_width, batch.input_ids.shape[0]
         own = [sequences[c * rows : (c + 1) * rows] for c in range(len(forks))]
@@ -284,6 +282,16 @@ class _Answering:
             self._keep(i, batch, cut, fork, seconds[i] + spent, units, {k: v + each[k] for k, v in cpu[i].items()})
             seconds[i], cpu[i] = 0.0, cpu_parts()
         return own, spent, each
+
+    def _generate_stacked(self, forks: list, batch: Batch, cpu: dict[str, float]) -> torch.Tensor:
+        """``batch`` (every fork's rows) through ``forks`` stacked, a row leaving as its answer ends; the stack is
+        freed on return."""
+        stacked = EvictionCache.stack(forks)
+
+        def generate(ids: torch.Tensor, mask: torch.Tensor, **settings: Any) -> torch.Tensor:
+            return decode_leaving(self.model, stacked, ids, mask, cpu=cpu, tokenizer=self.tokenizer, **settings)
+
+        return complete(self.model, stacked, batch, self.tokenizer, generate=generate, cpu=cpu, **self.greedy)
 
     def prompts(self, members: list[int], protocol: str) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import end_tokens, new_tokens
@@ -44,6 +45,50 @@ def decode(
     forwards' CPU seconds go to ``cpu`` (:func:`~h2o_eval.generation.log.forwards_into`: the first to ``first``)."""
     with torch.no_grad(), forwards_into(model, cpu, first):
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+
+
+class _AnyRowEnds(StoppingCriteria):
+    """Stops ``generate`` for every row as soon as one row ends (its last token is an end of sequence)."""
+
+    def __init__(self, ends: set[int]) -> None:
+        self.ends = torch.tensor(sorted(ends))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        ended = torch.isin(input_ids[:, -1], self.ends.to(input_ids.device)).any()
+        return ended.expand(input_ids.shape[0]).clone()
+
+
+def decode_leaving(
+    model: Any, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any
+) -> torch.Tensor:
+    """:func:`decode` through a stack of caches (:class:`~h2o_eval.groups.StackedCache`) whose rows leave the batch
+    as their answers end: ``generate`` stops whenever a row generates an end of sequence (the model's), the stack
+    keeps the other rows (:meth:`~h2o_eval.groups.StackedCache.rows`) and ``generate`` goes on for them. Returns
+    what :func:`decode` returns: the rows' sequences, a row that ended padded after it with ``pad_token_id``."""
+    eos = model.generation_config.eos_token_id
+    ends = set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
+    width, total, pad = input_ids.shape[1], kwargs["max_new_tokens"], kwargs.get("pad_token_id")
+    rows, done = list(range(input_ids.shape[0])), {}
+    stop = StoppingCriteriaList([_AnyRowEnds(ends)]) if ends else None
+    ids, mask = input_ids, attention_mask
+    while True:
+        left = total - (ids.shape[1] - width)
+        ids = decode(model, cache, ids, mask, stopping_criteria=stop, **kwargs | {"max_new_tokens": left})
+        kwargs["first"] = "decoding"
+        ended = [j for j in range(len(rows)) if int(ids[j, -1]) in ends]
+        if ids.shape[1] - width >= total or not ended or len(ended) == len(rows):
+            done |= dict(zip(rows, ids[:, width:], strict=True))
+            break
+        done |= {rows[j]: ids[j, width:] for j in ended}
+        keep = [j for j in range(len(rows)) if j not in ended]
+        cache, rows, ids = cache.rows(keep), [rows[j] for j in keep], ids[keep]
+        mask = torch.cat([mask[keep], mask.new_ones(len(keep), ids.shape[1] - mask.shape[1])], dim=-1)
+    longest = max(len(tokens) for tokens in done.values())
+    sequences = input_ids.new_full((input_ids.shape[0], width + longest), pad if pad is not None else 0)
+    sequences[:, :width] = input_ids
+    for row, tokens in done.items():
+        sequences[row, width : width + len(tokens)] = tokens
+    return sequences
 
 
 def answers(model: Any, ids: torch.Tensor, mask: torch.Tensor, tokenizer: Any, **kwargs: Any) -> list[list[int]]:
