@@ -106,3 +106,13 @@ def test_pyramidkv_takes_kvpress_s_layer_budgets_the_window_inside_and_snapkv_s_
     if len({p.capacity for p in plans}) > 1:
         assert [authors.plan(length, layer, layers).capacity for layer in range(layers)] != [p.capacity for p in plans]
         assert sum(p.capacity for p in plans) / layers == pytest.approx(length * (1 - ratio), rel=0.01)
+
+
+def test_the_side_by_side_benchmark_runs_every_board_entry_of_the_preset_through_kvpress():
+    """``benchmarks.board_compare`` builds kvpress's press for exactly the preset's board entries (the table's), each
+    as kvpress's registry builds it (evaluation/evaluate_registry.py:90,93,96,104,106,108,112,113,115,117)."""
+    from h2o_eval.benchmarks.board_compare import BOARD
+
+    assert set(BOARD) == {row[1] for row in table()} - {"every policy"}
+    assert BOARD["kvpress/expected_attention"] == "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))"
+    assert BOARD["full"] is None and all(BOARD[p].endswith("Press()") for p in ("keydiff", "knorm", "tova"))

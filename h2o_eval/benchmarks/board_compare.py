@@ -1,0 +1,178 @@
+"""The one-question leaderboard side by side with kvpress 0.5.5's own pipeline: the same RULER documents and cells
+through ``python -m h2o_eval.grid +experiment=kv_leaderboard`` and through kvpress's
+``KVPressTextGenerationPipeline``, in interleaved rounds, one thread each.
+
+    python -m h2o_eval.benchmarks.board_compare --kvpress KVPRESS --data-dir ../shared/data \\
+        [--task niah_single_2] [--documents 1] [--rounds 2] [--model smollm2-135m] [--policy full,knorm] [--budget 0.5]
+
+KVPRESS is the folder kvpress and its transformers are installed in, as ``kvpress_compare`` installs them. The grid
+runs the preset's cells (narrowed by ``--policy`` and ``--budget``, given as the grid takes them); kvpress runs those
+of them that are entries of its board (:data:`BOARD`: each preset policy's press as kvpress's
+``evaluation/evaluate_registry.py`` builds it), at compression ratio 1 - budget, its pipeline once per document
+and cell, as its ``evaluate.py`` runs it (``torch.manual_seed(42)`` once). Prints, per round, the CPU seconds per
+document and cell of each side (the grid's from its records' ``cpu_seconds``, which leave the model's load out;
+kvpress's around its pipeline calls), their ratio, and how many of the cells both ran give the same predictions on
+every document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# The preset's policies that are entries of kvpress's board, as kvpress's registry builds each press (None: no press).
+BOARD = {
+    "full": None,
+    "kvzip": "KVzipPress()",
+    "kvpress/expected_attention": "AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))",
+    "keydiff": "KeyDiffPress()",
+    "kvpress/snapkv": "SnapKVPress()",
+    "kvpress/pyramidkv": "PyramidKVPress()",
+    "kvpress/adakv_compactor": "AdaKVPress(CompactorPress())",
+    "knorm": "KnormPress()",
+    "streaming": "StreamingLLMPress()",
+    "tova": "TOVAPress()",
+    "kvpress/random": "RandomPress()",
+}
+
+
+def grid_side(args: argparse.Namespace, out: Path) -> tuple[float, int, dict[tuple[str, float], list[str]]]:
+    """The grid on the documents: its evaluation's CPU seconds (the records' ``cpu_seconds``, summed), its cells,
+    and each cell's predictions by (preset policy, budget)."""
+    from h2o_eval.results import load_records
+
+    command = [sys.executable, "-m", "h2o_eval.grid", "+experiment=kv_leaderboard", f"model={args.model}",
+               f"task={args.task}", f"limit={args.documents}", f"data_dir={args.data_dir.resolve()}", "threads=1",
+               f"results_dir={out}", "overwrite=true", "wandb.mode=disabled", *args.narrow]  # fmt: skip
+    print(f"grid: {' '.join(command[3:])}", file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    records = list(load_records(out))
+    predictions = {}
+    for record in records:
+        outputs = [json.loads(line) for line in (out / record["outputs"]).read_text().splitlines()]
+        key = (_option(record), 1.0 if record["policy"] == "full" else record["budget"])
+        predictions[key] = [o["prediction"] for o in sorted(outputs, key=lambda o: o["document"])]
+    return sum(r["cpu_seconds"] for r in records), len(records), predictions
+
+
+def _option(record: dict[str, Any]) -> str:
+    """The preset's name for a record's policy: a ``kvpress/`` option where its parameters are one."""
+    from omegaconf import OmegaConf
+
+    from h2o_eval.benchmarks.costs import cell
+    from h2o_eval.names import compose
+    from h2o_eval.policies import configured_policy
+
+    for option in BOARD:
+        config = OmegaConf.to_container(compose([f"policy={option}"]), resolve=True)
+        if cell(configured_policy(config).describe(), 0) == cell(record["policy_params"], 0):
+            return option
+    return record["policy"]
+
+
+def kvpress_side(args: argparse.Namespace, cells: list[tuple[str, float]]) -> tuple[float, dict]:
+    """kvpress's pipeline on the documents for ``cells`` (in a subprocess whose path holds ``--kvpress``): its CPU
+    seconds and each cell's predictions."""
+    from omegaconf import OmegaConf
+
+    from h2o_eval.benchmarks.kvpress_compare import model_folder
+    from h2o_eval.names import compose
+    from h2o_eval.ruler import fit_counter, generate
+
+    config = OmegaConf.to_container(
+        compose(["+experiment=kv_leaderboard", f"model={args.model}", f"task={args.task}"]), resolve=True
+    )
+    from h2o_eval.models import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    task = config["task"]
+    documents = generate(task, count_tokens=fit_counter(task, tokenizer), data_dir=args.data_dir, limit=args.documents)
+    with tempfile.TemporaryDirectory() as scratch:
+        stub = Path(scratch) / "stub" / "datasets"
+        stub.mkdir(parents=True)
+        (stub / "__init__.py").write_text("def load_dataset(*args, **kwargs):\n    raise RuntimeError('no hub')\n")
+        job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job.write_text(json.dumps({
+            "folder": model_folder(args.model), "max_new_tokens": task["max_new_tokens"],
+            "cells": [[BOARD[policy], 1 - budget] for policy, budget in cells],
+            "documents": [{"context": d["context"], "questions": d["questions"]} for d in documents],
+        }))  # fmt: skip
+        env = dict(os.environ, PYTHONPATH=f"{args.kvpress}{os.pathsep}{stub.parent}", TRANSFORMERS_VERBOSITY="error",
+                   HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1", OMP_NUM_THREADS="1")  # fmt: skip
+        print(f"kvpress: {len(cells)} cells x {len(documents)} documents", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, __file__, "--serve", str(job), str(out)], env=env, check=True)
+        found = json.loads(out.read_text())
+    return found["seconds"], {cell: answers for cell, answers in zip(cells, found["answers"], strict=True)}
+
+
+def serve(job_path: Path, out_path: Path) -> None:
+    """kvpress's side, in kvpress's environment: its pipeline on every document for every cell."""
+    import kvpress
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    job = json.loads(job_path.read_text())
+    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(job["folder"])
+    pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
+    torch.manual_seed(42)  # evaluate.py's seed, once per run
+    answers, began = [], time.process_time()
+    for expression, ratio in job["cells"]:
+        press = None if expression is None else eval(expression, vars(kvpress))  # BOARD's presses, named by us
+        if press is not None:
+            press.compression_ratio = ratio
+        own = []
+        for document in job["documents"]:
+            [question] = document["questions"]
+            found = pipe(document["context"], question=question["question"], answer_prefix=question["answer_prefix"],
+                         press=press, max_new_tokens=job["max_new_tokens"])  # fmt: skip
+            own.append(found["answer"])
+        answers.append(own)
+    out_path.write_text(json.dumps({"seconds": time.process_time() - began, "answers": answers}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kvpress", type=Path)
+    parser.add_argument("--data-dir", type=Path)
+    parser.add_argument("--task", default="niah_single_2")
+    parser.add_argument("--documents", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--policy", help="the grid's policy sweep, narrowed (default: the preset's)")
+    parser.add_argument("--budget", help="the grid's budget sweep, narrowed (default: the preset's)")
+    parser.add_argument("--serve", nargs=2, type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(*args.serve)
+        return
+    if args.kvpress is None or args.data_dir is None:
+        parser.error("give --kvpress and --data-dir")
+    args.narrow = [f"{key}={value}" for key, value in (("policy", args.policy), ("budget", args.budget)) if value]
+    print(f"{args.model}, {args.task}, {args.documents} document(s), one thread each side")
+    print("| round | side | cells | CPU s per document and cell | ratio | same predictions |")
+    print("|---|---|---:|---:|---:|---|")
+    for round_ in range(1, args.rounds + 1):
+        with tempfile.TemporaryDirectory() as out:
+            seconds, count, mine = grid_side(args, Path(out))
+        board = sorted(cell for cell in mine if cell[0] in BOARD)
+        theirs_seconds, theirs = kvpress_side(args, board)
+        ours = seconds / (count * args.documents)
+        per = theirs_seconds / (len(board) * args.documents)
+        same = sum(mine[cell] == [answer.strip() for answer in theirs[cell]] for cell in board)
+        print(f"| {round_} | h2o_eval grid | {count} | {ours:.2f} | | |")
+        ratio = f"{per / ours:.1f}x"
+        print(f"| {round_} | kvpress pipeline | {len(board)} | {per:.2f} | {ratio} | {same} of {len(board)} |")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
