@@ -8,7 +8,7 @@ import pytest
 import test_plot
 
 from h2o_eval import results
-from h2o_eval.benchmarks.costs import cell, leaderboard_estimate, parts, preset_cells
+from h2o_eval.benchmarks.costs import cell, leaderboard_estimate, parts, parts_estimate, preset_cells
 from h2o_eval.policies import make_policy
 
 CELLS = preset_cells("kv_leaderboard")[2]
@@ -73,3 +73,22 @@ def test_the_parts_of_a_cells_cpu_time_per_context_come_from_its_records(tmp_pat
     [(task, model, cells, each)] = parts(tmp_path)
     assert (task, model, cells) == ("niah_single_2", "tiny-llama", 2)
     assert each == {"prompt": 1.0, "scoring": 0.0, "question": 0.5, "decoding": 3.0, "rest": 5.5, "load": 2.0}
+
+
+def test_the_boards_estimate_from_parts_takes_each_tasks_answer_length(tmp_path):
+    """Two cells measured on 2 contexts: prompt, scoring and question (20 s) per context as measured, decoding at
+    0.5 s a token (2 s for 4 tokens); a task whose records answer in 10 tokens costs 10 + 0.5 x 10 x 2 per context,
+    a task without records the measured length."""
+    measured, answers = tmp_path / "measured", tmp_path / "answers"
+    for number in range(2):
+        record = test_plot.fake_record("niah_single_2", "h2o", 0.5, 0.0, protocol="context")
+        split = {"prompt": 6.0, "scoring": 2.0, "question": 2.0, "decoding": 2.0}
+        record |= {"n_documents": 2, "n_questions": 2, "cpu_seconds": 12.0, "load_cpu_seconds": 1.0}
+        record["generation"] = {"cpu_seconds": split, "generated_tokens_mean": 2.0}
+        results.write_record(measured / f"m{number}.json", record)
+    answered = test_plot.fake_record("vt", "h2o", 0.5, 0.0, protocol="context")
+    answered["generation"] = {"generated_tokens_mean": 10.0}
+    results.write_record(answers / "a.json", answered)
+    rows = {task: (length, seconds) for task, length, seconds in parts_estimate(measured, [answers], "tiny-llama", 4)}
+    assert rows["vt"] == (10.0, pytest.approx(4 * (10.0 + 0.5 * 10 * 2)))
+    assert rows["qa_1"] == (2.0, pytest.approx(4 * (10.0 + 0.5 * 2 * 2)))

@@ -4,10 +4,13 @@ one thread, and the generation's tokens/s; docs/costs.md's "Seconds per document
     python -m h2o_eval.benchmarks.costs --data-dir ../shared/data [--models smollm2-135m gemma3-270m]
     python -m h2o_eval.benchmarks.costs --leaderboard SHARED ONE [--model smollm2-135m] [--documents 40]
     python -m h2o_eval.benchmarks.costs --parts RECORDS
+    python -m h2o_eval.benchmarks.costs --estimate MEASURED ANSWERS... [--model smollm2-135m] [--documents 40]
 
 ``--parts`` reads the records in RECORDS that split their CPU time (``generation.cpu_seconds``) and prints, per task
 and model, the CPU seconds per context and cell of each part: the prompt's pass, scoring, the question's pass,
 decoding, the rest of the evaluation (data, scoring the answers) and the model's load (once per run of cells).
+``--estimate`` takes those parts from MEASURED (a run of the preset's cells on one task) and each task's answer
+length from the records in ANSWERS (:func:`parts_estimate`).
 
 Each setting is one ``python -m h2o_eval`` run (the real runner, record and all) on a few documents, in a
 temporary results folder; the model's load (and a GGUF's one-time conversion) is not counted (``load_seconds``).
@@ -186,6 +189,35 @@ def parts(folder: Path) -> list[tuple[str, str, int, dict[str, float]]]:
     return rows
 
 
+def parts_estimate(measured: Path, answers: list[Path], model: str, documents: int) -> list[tuple[str, float, float]]:
+    """Per RULER task, the CPU seconds of ``+experiment=kv_leaderboard`` on ``documents`` contexts, from the parts
+    of a run of the preset's cells (``measured``: one task's records, each with ``generation.cpu_seconds``) at the
+    task's answer length in ``answers`` (records of ``model``: the mean of their ``generated_tokens_mean``). Per
+    context: the cells' prompt, scoring and question parts as measured, and their decoding per generated token
+    times the task's answer length, for every cell. Returns (task, answer length, seconds)."""
+    from h2o_eval.reports.headline import RULER_TASKS
+    from h2o_eval.results import load_records
+
+    records = [r for r in load_records(measured) if "cpu_seconds" in r.get("generation", {})]
+    if not records:
+        raise SystemExit(f"error: no record in {measured} splits its CPU time: run the preset there first")
+    contexts = records[0]["n_documents"]
+    fixed = sum(sum(r["generation"]["cpu_seconds"][p] for p in ("prompt", "scoring", "question")) for r in records)
+    tokens = sum(r["generation"]["generated_tokens_mean"] * r["n_questions"] for r in records)
+    per_token = sum(r["generation"]["cpu_seconds"]["decoding"] for r in records) / max(tokens, 1)
+    lengths: dict[str, list[float]] = {}
+    for folder in answers:
+        for record in load_records(folder):
+            if record["model"] == model and "generation" in record and record["task"] in RULER_TASKS:
+                lengths.setdefault(record["task"], []).append(record["generation"]["generated_tokens_mean"])
+    measured_length = tokens / (len(records) * contexts)
+    rows = []
+    for task in RULER_TASKS:
+        length = sum(lengths[task]) / len(lengths[task]) if task in lengths else measured_length
+        rows.append((task, length, documents * (fixed / contexts + per_token * length * len(records))))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path)
@@ -194,7 +226,17 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--documents", type=int, default=40)
     parser.add_argument("--parts", type=Path, metavar="RECORDS")
+    parser.add_argument("--estimate", type=Path, nargs="+", metavar=("MEASURED", "ANSWERS"))
     args = parser.parse_args()
+    if args.estimate:
+        rows = parts_estimate(args.estimate[0], args.estimate[1:], args.model, args.documents)
+        print(f"kv_leaderboard from the parts in {args.estimate[0]}, {args.documents} contexts a task")
+        print("| task | answer tokens | estimated CPU hours |")
+        print("|---|---:|---:|")
+        for task, length, seconds in rows:
+            print(f"| {task} | {length:.1f} | {seconds / 3600:.2f} |")
+        print(f"| all {len(rows)} | | {sum(seconds for *_, seconds in rows) / 3600:.1f} |")
+        return
     if args.parts:
         print("CPU seconds per context and cell, by part")
         print("| task | model | cells | prompt | scoring | question | decoding | rest | load | total |")
