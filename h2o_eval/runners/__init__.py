@@ -7,7 +7,8 @@ Nothing outside a runner branches on what kind of task runs: the CLI's validatio
   lm-eval's own YAMLs (the paper's six tasks, or ``task=lm_eval task.name=...``);
 - ``summarisation`` (:mod:`h2o_eval.runners.summarisation`): XSUM and CNN/DM with HELM-style prompts
   (``tasks/<template>.yaml``), scored with ROUGE;
-- ``long_context`` (:mod:`h2o_eval.runners.long_context`): the synthetic RULER-style tasks.
+- ``long_context`` (:mod:`h2o_eval.runners.long_context`): the synthetic RULER-style tasks;
+- ``reasoning`` (:mod:`h2o_eval.runners.reasoning`): MATH-500, AIME and GSM8K, a long answer per problem.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ RUNNERS = {
     "lm_eval": "h2o_eval.runners.lmeval",
     "summarisation": "h2o_eval.runners.summarisation",
     "long_context": "h2o_eval.runners.long_context",
+    "reasoning": "h2o_eval.runners.reasoning",
 }
 
 
