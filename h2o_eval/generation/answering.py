@@ -217,7 +217,7 @@ class _Answering:
                 )
                 batches.append((rows, batch, [(indices[r], k) for r in rows]))
             if self.settings.stack and len(members) > 1:
-                self._answer_together({i: caches.pop(i) for i in members}, batches, share, settled, cpu)
+                self._answer_together({i: caches.pop(i) for i in members}, batches, share, settled, cpu, len(items))
             for i in [i for i in members if i in caches]:
                 cache, seconds, spent = caches.pop(i), share + settled[i], cpu[i]
                 for position, (rows, batch, units) in enumerate(batches):
@@ -226,7 +226,13 @@ class _Answering:
                     seconds, spent = 0.0, None
 
     def _answer_together(
-        self, caches: dict[int, EvictionCache], batches: list, share: float, settled: dict, cpu: dict[int, dict]
+        self,
+        caches: dict[int, EvictionCache],
+        batches: list,
+        share: float,
+        settled: dict,
+        cpu: dict[int, dict],
+        documents: int,
     ) -> None:
         """``stack``: each group of questions is answered by every cell in ``caches`` (compressed, under
         ``decoding=grow``) in one batch, their copies stacked (:meth:`~h2o_eval.cache.EvictionCache.stack`); each
@@ -234,13 +240,15 @@ class _Answering:
         have reached. The oracle's cells, whose copies are compressed for the question and the full cache's
         answer, answer in a second batch: that answer comes from a full copy of their context
         (:meth:`~h2o_eval.cache.EvictionCache.full_copy`) stacked in the first. A batch's decoding time is
-        shared equally among its cells (the full copy's share among the oracle's)."""
+        shared equally among its cells (the full copy's share among the oracle's). The last group, where it takes
+        all ``documents`` rows, stacks the caches themselves (a stack leaves them as they were), not copies."""
         plain = [i for i in caches if not caches[i].policy.needs_answer]
         asking = [i for i in caches if caches[i].policy.needs_answer]
         seconds = {i: share + settled[i] for i in caches}
-        for rows, batch, units in batches:
+        for position, (rows, batch, units) in enumerate(batches):
+            last = position == len(batches) - 1 and len(rows) == documents
             full = [caches[asking[0]].fork(rows).full_copy()] if asking else []
-            forks = [caches[i].fork(rows) for i in plain] + full
+            forks = [caches[i] if last else caches[i].fork(rows) for i in plain] + full
             sequences, spent, full_cpu = self._decode_stacked(forks, plain, batch, units, seconds, cpu)
             if not asking:
                 continue
@@ -284,14 +292,13 @@ class _Answering:
         return own, spent, each
 
     def _generate_stacked(self, forks: list, batch: Batch, cpu: dict[str, float]) -> torch.Tensor:
-        """``batch`` (every fork's rows) through ``forks`` stacked, a row leaving as its answer ends; the stack is
-        freed on return."""
-        stacked = EvictionCache.stack(forks)
-
-        def generate(ids: torch.Tensor, mask: torch.Tensor, **settings: Any) -> torch.Tensor:
-            return decode_leaving(self.model, stacked, ids, mask, cpu=cpu, tokenizer=self.tokenizer, **settings)
-
-        return complete(self.model, stacked, batch, self.tokenizer, generate=generate, cpu=cpu, **self.greedy)
+        """``batch`` (every fork's rows, their contexts fed and compressed) through ``forks`` stacked, a row leaving
+        as its answer ends: nothing but :func:`~h2o_eval.generation.passes.decode_leaving` holds the stack, so each
+        stack it leaves behind is freed."""
+        ids, mask = batch.input_ids, batch.attention_mask
+        return decode_leaving(
+            self.model, EvictionCache.stack(forks), ids, mask, cpu=cpu, tokenizer=self.tokenizer, **self.greedy
+        )
 
     def prompts(self, members: list[int], protocol: str) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
