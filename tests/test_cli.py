@@ -109,7 +109,7 @@ def test_cfg_job_shows_the_defaults_a_summarisation_run_will_use(tmp_path):
     fast_sample(
         [
             (["model=nonexistent"], "model=nonexistent: no model of that name: use one of gemma3-270m, gpt-neox-20b"),
-            (["task=nonexistent"], "task=nonexistent: no task of that name: use one of cnn_dailymail, copa, cwe"),
+            (["task=nonexistent"], "task=nonexistent: no task of that name: use one of aime24, aime25, cnn_dailymail"),
             (["policy=nonexistent"], "policy=nonexistent: no policy of that name: use one of adakv, block, chunk"),
             (["+experiment=nonexistent"], "+experiment=nonexistent: no experiment of that name: use one of kv_lead"),
             (["task.runner=nonexistent"], "task.runner='nonexistent': use one of lm_eval, summarisation, long_context"),

@@ -182,16 +182,20 @@ def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, 
     separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
     lengths = {o["generated_tokens"] for one in separate for o in one.outputs}
     assert len(lengths) > 1 and max(lengths) == 8, "answers should stop at different steps, or this proves little"
-    rows = []
-    decode = generation.decode
+    batches, calls = [], []
+    leaving, decode = generation.passes.decode_leaving, generation.passes.decode
 
-    def counted(model, cache, ids, *args, **kwargs):
-        rows.append(len(ids))
-        return decode(model, cache, ids, *args, **kwargs)
+    def stacked(model, cache, ids, *args, **kwargs):
+        batches.append(len(ids))
+        return leaving(model, cache, ids, *args, **kwargs)
 
-    monkeypatch.setattr("h2o_eval.generation.completion.decode", counted)
+    monkeypatch.setattr("h2o_eval.generation.answering.decode_leaving", stacked)
+    monkeypatch.setattr(
+        "h2o_eval.generation.passes.decode", lambda m, c, i, *a, **k: calls.append(len(i)) or decode(m, c, i, *a, **k)
+    )
     shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
-    assert rows == [len(cells) - 1, 2] * 2, "per question, the others and a full copy, then the oracle's cells"
+    assert batches == [len(cells) - 1, 2] * 2, "per question, the others and a full copy, then the oracle's cells"
+    assert len(calls) > len(batches) and calls[1] < calls[0], "rows should have left the batch as their answers ended"
     answers = set()
     keys = ("id", "prediction", "capacity", "generated_tokens", "scores", "kv_entries", "prompt_tokens")
     for one, together in zip(separate, shared, strict=True):
