@@ -13,9 +13,9 @@ depending on how many run), at compression ratio 1 - budget, its pipeline once p
 ``evaluate.py`` runs it (``torch.manual_seed(42)`` once). A cell kvpress's pipeline fails (PyramidKV's layers of
 different lengths need flash attention, absent on a CPU) is left out of its time and of the comparison.
 
-Prints, per round, the CPU seconds per document and cell of each side (the grid's from its records' ``cpu_seconds``, which leave the model's load out;
-kvpress's around its pipeline calls), their ratio, and how many of the cells both ran give the same predictions on
-every document.
+Prints, per round, the CPU seconds per document and cell of each side (the grid's from its records'
+``cpu_seconds``, which leave the model's load out; kvpress's around its pipeline calls), their ratio, and how many
+of the cells both ran give the same predictions on every document.
 """
 
 from __future__ import annotations
