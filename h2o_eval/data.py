@@ -43,6 +43,22 @@ def read_jsonl(path: Path, fields: tuple[str, ...] = ()) -> list[dict[str, Any]]
     return rows
 
 
+def split_file(data_dir: str | Path, name: str, split: str) -> Path:
+    """A task's split under ``data_dir``, ``<data_dir>/<name>/<split>.jsonl``; refused in one line if it is not
+    there."""
+    path = Path(data_dir) / name / f"{split}.jsonl"
+    if not path.is_file():
+        raise ConfigError(f"no data file {path}: put it there or change data_dir={data_dir}")
+    return path
+
+
+def first(total: int, limit: int | float | None) -> int:
+    """How many of ``total`` documents a run's ``limit`` takes: all (None), a count, or a fraction of them."""
+    if limit is None:
+        return total
+    return min(total, limit if isinstance(limit, int) else int(limit * total))
+
+
 def fingerprint(files: list[Path]) -> str:
     """What a run's data is: ``hub`` when it reads no local file, else a hash of the content of the files."""
     if not files:

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from h2o_eval import hub
-from h2o_eval.data import read_jsonl
+from h2o_eval.data import read_jsonl, split_file
 from h2o_eval.errors import ConfigError
 from h2o_eval.runners import Evaluation, Runner, task_registry
 
@@ -142,10 +142,7 @@ def task_files(task: dict[str, Any]) -> list[Path]:
 
 def local_data_file(task: dict[str, Any], data_dir: str | Path) -> Path:
     """Where the evaluated split is read from under ``data_dir``; fails early if it is not there."""
-    path = Path(data_dir) / task["name"] / f"{evaluated_split(task)}.jsonl"
-    if not path.is_file():
-        raise ConfigError(f"no data file {path}: put it there or change data_dir={data_dir}")
-    return path
+    return split_file(data_dir, task["name"], evaluated_split(task))
 
 
 def task_yaml(task: dict[str, Any], data_dir: str | Path | None) -> dict[str, Any]:

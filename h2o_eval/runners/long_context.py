@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import ruler
+from h2o_eval.data import first
 from h2o_eval.errors import ConfigError
 from h2o_eval.runners import Evaluation, Runner
 
@@ -72,10 +73,7 @@ def prompts(tokenizer: Any, config: Mapping[str, Any]) -> list[Prompt]:
 
 
 def _count(config: Mapping[str, Any]) -> int:
-    limit, samples = config["limit"], config["task"]["samples"]
-    if limit is None:
-        return samples
-    return min(samples, limit if isinstance(limit, int) else int(limit * samples))
+    return first(config["task"]["samples"], config["limit"])
 
 
 def check_positions(model: Any, items: Sequence[Prompt], task: Mapping[str, Any], name: str) -> None:

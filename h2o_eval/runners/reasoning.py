@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from h2o_eval.data import read_jsonl
+from h2o_eval.data import first, read_jsonl, split_file
 from h2o_eval.errors import ConfigError
 from h2o_eval.runners import Evaluation, Runner
 
@@ -88,10 +88,7 @@ def scores(task: Mapping[str, Any], prediction: str, answer: str) -> dict[str, f
 def data_file(task: Mapping[str, Any], data_dir: str | Path | None) -> Path:
     if data_dir is None:
         raise ConfigError(f"task={task['name']} reads {task['name']}/{task['split']}.jsonl: set data_dir to its folder")
-    path = Path(data_dir) / task["name"] / f"{task['split']}.jsonl"
-    if not path.is_file():
-        raise ConfigError(f"no data file {path}: put it there or change data_dir={data_dir}")
-    return path
+    return split_file(data_dir, task["name"], task["split"])
 
 
 class ReasoningRunner(Runner):
@@ -125,9 +122,7 @@ class ReasoningRunner(Runner):
 
         task = config["task"]
         problems = read_jsonl(data_file(task, config["data_dir"]), (task["problem"], task["answer"]))
-        limit = config["limit"]
-        count = len(problems) if limit is None else (limit if isinstance(limit, int) else int(limit * len(problems)))
-        problems = problems[:count]
+        problems = problems[: first(len(problems), config["limit"])]
         prompts = [
             wrap(tokenizer, {"context": " ", "questions": [{"question": p[task["problem"]], "answer_prefix": ""}]})
             for p in problems

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from h2o_eval import hub
-from h2o_eval.data import read_jsonl
+from h2o_eval.data import first, read_jsonl, split_file
 from h2o_eval.errors import ConfigError
 from h2o_eval.runners import Evaluation, Runner
 
@@ -25,10 +25,7 @@ def template(task: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def local_data_file(task: Mapping[str, Any], data_dir: str | Path) -> Path:
-    path = Path(data_dir) / task["name"] / f"{task['split']}.jsonl"
-    if not path.is_file():
-        raise ConfigError(f"no data file {path}: put it there or change data_dir={data_dir}")
-    return path
+    return split_file(data_dir, task["name"], task["split"])
 
 
 def load_documents(task: Mapping[str, Any], data_dir: str | Path | None) -> list[dict[str, Any]]:
@@ -133,9 +130,7 @@ class SummarisationRunner(Runner):
         task, protocol, settings = config["task"], config["protocol"], config["generation"]
         form = template(task)
         documents = load_documents(task, config["data_dir"])
-        limit = config["limit"]
-        count = len(documents) if limit is None else (limit if isinstance(limit, int) else int(limit * len(documents)))
-        indices = list(range(min(count, len(documents))))
+        indices = list(range(first(len(documents), config["limit"])))
         max_words = settings["max_words"] or form["max_words"]
         max_new_tokens = settings["max_new_tokens"] or form["max_new_tokens"]
         prompts = build_prompts(documents, form, indices, config["num_fewshot"], config["seed"], max_words)
