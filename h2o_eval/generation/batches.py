@@ -69,10 +69,15 @@ def new_tokens(sequences: torch.Tensor, prompt_width: int, ends: set[int]) -> li
 def steps(model: Any, sequences: torch.Tensor, prompt_width: int) -> int:
     """The steps ``generate`` takes to give these rows alone (when they were generated in a larger batch): until
     every row has generated an end of sequence (the model's ``generation_config``), at most all of them."""
-    eos = model.generation_config.eos_token_id
-    eos = set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
+    eos = eos_tokens(model)
     rows = sequences[:, prompt_width:].tolist()
     return max(next((i + 1 for i, token in enumerate(row) if token in eos), len(row)) for row in rows)
+
+
+def eos_tokens(model: Any) -> set[int]:
+    """The tokens that end a row's generation: the model's ``generation_config.eos_token_id``, one or a list."""
+    eos = model.generation_config.eos_token_id
+    return set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
 
 
 def end_tokens(tokenizer: Any) -> set[int]:

@@ -11,7 +11,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from h2o_eval.cache import EvictionCache
-from h2o_eval.generation.batches import end_tokens, new_tokens
+from h2o_eval.generation.batches import end_tokens, eos_tokens, new_tokens
 from h2o_eval.generation.log import forwards_into
 from h2o_eval.groups import SharedPrompt
 from h2o_eval.policies import Full
@@ -50,11 +50,11 @@ def decode(
 class _AnyRowEnds(StoppingCriteria):
     """Stops ``generate`` for every row as soon as one row ends (its last token is an end of sequence)."""
 
-    def __init__(self, ends: set[int]) -> None:
-        self.ends = torch.tensor(sorted(ends))
+    def __init__(self, ends: set[int], device: torch.device) -> None:
+        self.ends = torch.tensor(sorted(ends), device=device)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        ended = torch.isin(input_ids[:, -1], self.ends.to(input_ids.device)).any()
+        ended = torch.isin(input_ids[:, -1], self.ends).any()
         return ended.expand(input_ids.shape[0]).clone()
 
 
@@ -65,11 +65,10 @@ def decode_leaving(
     as their answers end: ``generate`` stops whenever a row generates an end of sequence (the model's), the stack
     keeps the other rows (:meth:`~h2o_eval.groups.StackedCache.rows`) and ``generate`` goes on for them. Returns
     what :func:`decode` returns: the rows' sequences, a row that ended padded after it with ``pad_token_id``."""
-    eos = model.generation_config.eos_token_id
-    ends = set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
+    ends = eos_tokens(model)
     width, total, pad = input_ids.shape[1], kwargs["max_new_tokens"], kwargs.get("pad_token_id")
     rows, done = list(range(input_ids.shape[0])), {}
-    stop = StoppingCriteriaList([_AnyRowEnds(ends)]) if ends else None
+    stop = StoppingCriteriaList([_AnyRowEnds(ends, input_ids.device)]) if ends else None
     ids, mask = input_ids, attention_mask
     while True:
         left = total - (ids.shape[1] - width)
