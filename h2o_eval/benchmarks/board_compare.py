@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 # The preset's policies that are entries of kvpress's board, as kvpress's registry builds each press (None: no press).
 BOARD = {
@@ -49,35 +48,25 @@ BOARD = {
 def grid_side(args: argparse.Namespace, out: Path) -> tuple[float, int, dict[tuple[str, float], list[str]]]:
     """The grid on the documents: its evaluation's CPU seconds (the records' ``cpu_seconds``, summed), its cells,
     and each cell's predictions by (preset policy, budget)."""
+    from h2o_eval.benchmarks.costs import cell, described
     from h2o_eval.results import load_records
 
     command = [sys.executable, "-m", "h2o_eval.grid", "+experiment=kv_leaderboard", f"model={args.model}",
                f"task={args.task}", f"limit={args.documents}", f"data_dir={args.data_dir.resolve()}", "threads=1",
                f"results_dir={out}", "overwrite=true", "wandb.mode=disabled", *args.narrow]  # fmt: skip
     print(f"grid: {' '.join(command[3:])}", file=sys.stderr, flush=True)
-    subprocess.run(command, check=True, capture_output=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if done.returncode:
+        raise SystemExit(f"error: the grid failed (exit status {done.returncode}):\n{done.stderr[-3000:]}")
+    options = {cell(described(option), 0): option for option in BOARD}  # the preset's name of a policy's parameters
     records = list(load_records(out))
     predictions = {}
     for record in records:
         outputs = [json.loads(line) for line in (out / record["outputs"]).read_text().splitlines()]
-        key = (_option(record), 1.0 if record["policy"] == "full" else record["budget"])
+        option = options.get(cell(record["policy_params"], 0), record["policy"])
+        key = (option, 1.0 if record["policy"] == "full" else record["budget"])
         predictions[key] = [o["prediction"] for o in sorted(outputs, key=lambda o: o["document"])]
     return sum(r["cpu_seconds"] for r in records), len(records), predictions
-
-
-def _option(record: dict[str, Any]) -> str:
-    """The preset's name for a record's policy: a ``kvpress/`` option where its parameters are one."""
-    from omegaconf import OmegaConf
-
-    from h2o_eval.benchmarks.costs import cell
-    from h2o_eval.names import compose
-    from h2o_eval.policies import configured_policy
-
-    for option in BOARD:
-        config = OmegaConf.to_container(compose([f"policy={option}"]), resolve=True)
-        if cell(configured_policy(config).describe(), 0) == cell(record["policy_params"], 0):
-            return option
-    return record["policy"]
 
 
 def kvpress_side(args: argparse.Namespace, cells: list[tuple[str, float]]) -> tuple[float, dict]:

@@ -108,21 +108,27 @@ def cell(params: dict[str, Any], budget: float | int) -> tuple[str, float | int]
     return json.dumps(kept(params), sort_keys=True), budget
 
 
+def described(option: str) -> dict[str, Any]:
+    """The parameters (:meth:`~h2o_eval.policies.Policy.describe`) of the policy a ``policy=`` option builds, as
+    the CLI composes it (``kvpress/snapkv``: snapkv with kvpress's window, kernel and pooling)."""
+    from omegaconf import OmegaConf
+
+    from h2o_eval.names import compose
+    from h2o_eval.policies import configured_policy
+
+    return configured_policy(OmegaConf.to_container(compose([f"policy={option}"]), resolve=True)).describe()
+
+
 def preset_cells(preset: str = "kv_leaderboard") -> tuple[list[str], list[float], set[tuple[str, float | int]]]:
     """The policies and budgets a leaderboard preset sweeps, and its :func:`cell` s: the full cache is one cell at
     every ratio (one record at budget 1.0), every other policy one per budget."""
-    from omegaconf import OmegaConf
-
     from h2o_eval.conf import options
-    from h2o_eval.names import compose
-    from h2o_eval.policies import configured_policy
 
     params = options("experiment")[preset]["hydra"]["sweeper"]["params"]
     policies, budgets = str(params["policy"]).split(","), [float(b) for b in str(params["budget"]).split(",")]
     cells = set()
     for policy in policies:
-        config = OmegaConf.to_container(compose([f"policy={policy}"]), resolve=True)
-        made = configured_policy(config).describe()
+        made = described(policy)
         cells |= {cell(made, 1.0)} if policy == "full" else {cell(made, budget) for budget in budgets}
     return policies, budgets, cells
 
