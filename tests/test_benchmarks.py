@@ -140,6 +140,43 @@ def test_gpu_check_finds_the_kernels_equal_on_the_cpu_and_fails_on_a_difference(
         assert out[-1] == "gpu_check: 1 float32 case(s) differ (kernels=torch against triton, or graphs against eager)"
 
 
+def test_gpu_check_grid_answers_with_graphs_as_eagerly_and_fails_without_replays_or_on_a_difference(
+    monkeypatch, capsys
+):
+    """Reference: the grid's answers without graphs, one copy at a time. With the graphs' emulation (the CPU's) the
+    same cells answer the same, copies and stacks replaying steps; a graphed run that answers otherwise, or that
+    replays nothing on a model whose steps are captured, must be a DIFF line and exit status 1."""
+    from h2o_eval.benchmarks import gpu_check
+    from h2o_eval.graphs import DecodeGraphs
+
+    options = ["--device", "cpu", "--models", "tiny-llama3", "--policies", "full", "h2o", "--grid"]
+    with pytest.raises(SystemExit) as done:
+        gpu_check.main(options)
+    out = capsys.readouterr().out.splitlines()
+    assert done.value.code == 0, out
+    assert [line.split(":")[0] for line in out[:-1]] == [
+        "ok   grid tiny-llama3 float32 evict one copy at a time",
+        "ok   grid tiny-llama3 float32 grow one copy at a time",
+        "ok   grid tiny-llama3 float32 grow stacked",
+    ]
+    assert all("4 of 4 cells" in line and " 0 replays" not in line for line in out[:-1])
+    real = gpu_check.grid_answers
+
+    def otherwise(model, tokenizer, names, decoding, stack, graphs, kernels):
+        answers = real(model, tokenizer, names, decoding, stack, graphs, kernels)
+        return [[[token + 1 for token in row] for row in cell] for cell in answers] if graphs else answers
+
+    for patch in ((gpu_check, "grid_answers", otherwise), (DecodeGraphs, "step", lambda self, *args: None)):
+        with monkeypatch.context() as patched:
+            patched.setattr(*patch)
+            with pytest.raises(SystemExit) as done:
+                gpu_check.main(options)
+        out = capsys.readouterr().out.splitlines()
+        assert done.value.code == 1
+        assert [line[:4] for line in out[:-1]] == ["DIFF"] * 3
+        assert out[-1].startswith("gpu_check: 3 grid setting(s) differ")
+
+
 def test_gpu_check_refuses_an_unknown_policy_in_one_line(capsys):
     from h2o_eval.benchmarks import gpu_check
 

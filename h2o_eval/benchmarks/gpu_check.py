@@ -1,8 +1,9 @@
 """Correctness on a GPU, end to end: every policy that holds a cache generates with ``kernels=triton`` (the compiled
 Triton kernels) what it generates with ``kernels=torch`` (their PyTorch references) on the same device, its decode
-steps replayed as CUDA graphs what they generate eagerly, and the full cache what plain ``generate`` does.
+steps replayed as CUDA graphs what they generate eagerly, and the full cache what plain ``generate`` does; and the
+grid's answering (a shared context, its copies per question, stacked or not) with graphs what it answers eagerly.
 
-    python -m h2o_eval.benchmarks.gpu_check [--models tiny-llama3 tiny-gemma3] [--dtypes float32 bfloat16]
+    python -m h2o_eval.benchmarks.gpu_check [--models tiny-llama3 tiny-gemma3] [--dtypes float32 bfloat16] [--grid]
 
 For each model, dtype, protocol (prefill, context), decoding rule (evict, grow) and policy (budget 0.5): two
 left-padded random prompts of 96 tokens, 12 greedy new tokens under ``kernels=torch`` and ``kernels=triton``
@@ -10,16 +11,25 @@ left-padded random prompts of 96 tokens, 12 greedy new tokens under ``kernels=to
 layer holds the same positions, how far the held slots' scores are apart, for the kernels and for the graphs (and
 how many steps were replays). The tests prove the same in Triton's interpreter and with recorded graphs on the
 CPU (``tests/test_kernels.py``, ``tests/test_graphs.py``); this is the check a GPU needs, where the kernels are
-compiled and the graphs are CUDA's. A float32 difference is a failure (exit status 1). In bfloat16 a rounding may
+compiled and the graphs are CUDA's.
+
+``--grid`` (float32 only) answers three documents' questions with :func:`~h2o_eval.generation.answering.answer` for
+several cells under both protocols: eagerly, then with graphs, one copy at a time and stacked (``decoding=grow``),
+and one line per setting says how many cells answered exactly as eagerly and one at a time, how many steps were
+replays and how many captures failed. Copies of a cache decode through graphs of their own, and the stack's rows
+leave as their answers end: the paths a single generation does not take. On the CPU its graphs are the emulation
+(``graphs=emulate``, ``kernels=torch``). A float32 difference is a failure (exit status 1). In bfloat16 a rounding may
 break a tie the other way, so differences are shown (``DIFF``) but do not fail.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import traceback
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +38,8 @@ from h2o_eval.errors import ConfigError
 
 PROMPT, CONTEXT, NEW_TOKENS, BUDGET = 96, 80, 12, 0.5
 PROTOCOLS, DECODINGS = ("prefill", "context"), ("evict", "grow")
+GRID_POLICIES = ("full", "h2o", "tova", "streaming", "snapkv", "knorm", "adakv", "kvzip", "oracle")
+GRID_SETTINGS = (("evict", False), ("grow", False), ("grow", True))  # (decoding, stacked)
 
 
 def held_positions(cache: Any) -> list[torch.Tensor]:
@@ -142,6 +154,79 @@ def check(
     return failures
 
 
+@contextlib.contextmanager
+def counting_replays() -> Iterator[list[int]]:
+    """Within it, every decode step replayed by any cache's graphs counts in the list's one item."""
+    from h2o_eval.graphs import DecodeGraphs
+
+    count, real = [0], DecodeGraphs.step
+
+    def step(self: DecodeGraphs, *args: Any, **kwargs: Any) -> Any:
+        before = self.replays
+        output = real(self, *args, **kwargs)
+        count[0] += self.replays - before
+        return output
+
+    DecodeGraphs.step = step
+    try:
+        yield count
+    finally:
+        DecodeGraphs.step = real
+
+
+def grid_answers(
+    model: Any, tokenizer: Any, names: Sequence[str], decoding: str, stack: bool, graphs: bool | str, kernels: str
+) -> list[list[list[int]]]:
+    """Every cell's (``names`` under both protocols) generated tokens for three documents of two questions each."""
+    from h2o_eval.generation.answering import Cell, Document, Settings, answer
+    from h2o_eval.policies import make_policy
+
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(count: int) -> list[int]:
+        return torch.randint(1000, model.config.vocab_size, (count,), generator=generator).tolist()
+
+    documents = [Document(ids(width), [ids(6), ids(9)]) for width in (70, 90, 110)]
+    cells = [Cell(make_policy(name, budget=BUDGET), protocol) for protocol in PROTOCOLS for name in names]
+    settings = Settings(NEW_TOKENS, batch_size=2, kernels=kernels, decoding=decoding, graphs=graphs, stack=stack)
+    with torch.no_grad():
+        answers = answer(model, tokenizer, cells, documents, settings, label="grid")
+    return [[fields["tokens"] for _, _, fields in cell.rows] for cell in answers]
+
+
+def grid_check(models: Sequence[str], device: str, policies: Sequence[str] | None = None) -> int:
+    """Print one line per model and setting of :data:`GRID_SETTINGS` with graphs; returns how many differ."""
+    from h2o_eval.attention import layer_windows
+    from h2o_eval.models import load_model
+
+    graphs, kernels = (True, "triton") if device == "cuda" else ("emulate", "torch")
+    names = list(policies or GRID_POLICIES)
+    failures = 0
+    for model_name in models:
+        model, tokenizer = load_model(model_name, device=device, dtype="float32")
+        captures = all(window is None for window in layer_windows(model)[0])  # a sliding layer is not captured
+        eager = grid_answers(model, tokenizer, names, "evict", False, False, kernels)
+        for decoding, stack in GRID_SETTINGS:
+            case = f"grid {model_name} float32 {decoding} {'stacked' if stack else 'one copy at a time'}"
+            reference = (
+                eager if decoding == "evict" else grid_answers(model, tokenizer, names, "grow", False, False, kernels)
+            )
+            with warnings.catch_warnings(record=True) as caught, counting_replays() as replays:
+                warnings.simplefilter("always")
+                answers = grid_answers(model, tokenizer, names, decoding, stack, graphs, kernels)
+            failed = sum("decode steps run eagerly" in str(warning.message) for warning in caught)
+            equal = sum(a == b for a, b in zip(answers, reference, strict=True))
+            ok = equal == len(answers) and (replays[0] > 0 or not captures) and not failed
+            failures += not ok
+            print(
+                f"{'ok  ' if ok else 'DIFF'} {case}: {equal} of {len(answers)} cells answer as eagerly one copy at a "
+                f"time; {replays[0]} replays{'' if captures else ' (a layer slides: no step is captured)'}, "
+                f"{failed} failed captures",
+                flush=True,
+            )
+    return failures
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m h2o_eval.benchmarks.gpu_check", description=__doc__.splitlines()[0]
@@ -151,15 +236,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policies", nargs="+", help="default: every policy that holds a cache")
     parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
     parser.add_argument("--decodings", nargs="+", choices=DECODINGS, default=list(DECODINGS))
+    parser.add_argument("--grid", action="store_true", help="the grid's answering with graphs against eager, instead")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)  # cpu: tests
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "error: the GPU check needs a CUDA device (off one: pytest tests/test_kernels.py)\n")
     try:
-        failures = check(args.models, args.dtypes, args.device, args.policies, args.protocols, args.decodings)
+        if args.grid:
+            failures = grid_check(args.models, args.device, args.policies)
+        else:
+            failures = check(args.models, args.dtypes, args.device, args.policies, args.protocols, args.decodings)
     except ConfigError as error:
         parser.exit(2, f"error: {error}\n")
-    print(f"gpu_check: {failures} float32 case(s) differ (kernels=torch against triton, or graphs against eager)")
+    what = "grid setting(s)" if args.grid else "float32 case(s)"
+    print(f"gpu_check: {failures} {what} differ (kernels=torch against triton, or graphs against eager)")
     sys.exit(1 if failures else 0)
 
 
