@@ -275,6 +275,11 @@ class EvictionCache(Cache):
         clone.layers = [layer.fork(context, clone.shared, rows) for layer in self.layers]
         return clone
 
+    def rows(self, keep: list[int]) -> EvictionCache:
+        """The sequences ``keep`` alone, to go on with those (the others' answers ended:
+        :func:`~h2o_eval.generation.passes.decode_leaving`): a :meth:`fork` of them."""
+        return self.fork(keep)
+
     def full_copy(self) -> EvictionCache:
         """A copy of this cache as the full cache would be after the same forwards: made between a deferred
         prompt and its compression, while every token fed is held in its own position, it holds them all under

@@ -465,3 +465,60 @@ def test_answering_counts_each_cells_answers_as_they_come_and_redraws_between_th
     answer(model, tokenizer, cells, documents, Settings(3, batch_size=3))
     assert seen == [("total", 18), 3, 3, 3, 3, 3, 3]  # a cell answers one question group of 3 rows at a time
     assert phases[0] == "documents 1-3: contexts" and len(redraws) >= 5
+
+
+@pytest.mark.parametrize(
+    ("name", "budget", "protocol"),
+    [("h2o", 12, "prefill"), ("tova", 0.5, "context"), ("kvzip", 0.5, "prefill"), ("streaming", 10, "prefill")],
+)
+def test_rows_leaving_their_batch_generate_what_each_generates_alone_and_log_their_own_cache(
+    tiny, monkeypatch, name, budget, protocol
+):
+    """Reference: each prompt generated alone (batch 1, its cache at its own end); implementation: the batch through
+    ``run_batch(leaving=True)``, each row leaving as its answer ends (an end-of-sequence token the rows generate at
+    different steps). The same tokens, kept entries and capacities per row, and ``generate`` called again as rows
+    left; carried to the end instead (``leaving=False``), the same tokens."""
+    from h2o_eval import generation
+    from h2o_eval.generation import GenerationLog, run_batch
+
+    model, tokenizer = tiny
+    generator = torch.Generator().manual_seed(11)
+    contexts = [torch.randint(5, 500, (n,), generator=generator).tolist() for n in (30, 41, 36)]
+    questions = [torch.randint(5, 500, (4,), generator=generator).tolist() for _ in contexts]
+    batch = make_batch(contexts, questions, tokenizer.pad_token_id, "cpu", split=protocol == "context")
+    settings = {"max_new_tokens": 14, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+
+    def alone(row):
+        one = make_batch([contexts[row]], [questions[row]], tokenizer.pad_token_id, "cpu", split=protocol == "context")
+        log = GenerationLog(max_new_tokens=14)
+        policy = make_policy(name, budget=budget)
+        return run_batch(model, policy, one, log, tokenizer, protocol=protocol, kernels="torch", **settings)[0]
+
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)
+    free = [alone(row)["tokens"] for row in range(3)]
+
+    def end_steps(ends):  # the step at which each row first generates one of ``ends`` (None: never)
+        return [next((step for step, token in enumerate(tokens) if token in ends), None) for tokens in free]
+
+    # end tokens: one of row 0's and one of row 1's, at which the rows end at three different steps (one never)
+    ends = next(
+        {free[0][a], free[1][b]}
+        for a in range(2, 12)
+        for b in range(a + 2, 13)
+        if len(set(end_steps({free[0][a], free[1][b]}))) == 3
+    )
+    monkeypatch.setattr(model.generation_config, "eos_token_id", sorted(ends))
+    monkeypatch.setattr(tokenizer, "eos_token_id", min(ends))
+    expected = [alone(row) for row in range(3)]
+    calls, decode = [], generation.passes.decode
+    monkeypatch.setattr(generation.passes, "decode", lambda *a, **k: calls.append(a[2].shape[0]) or decode(*a, **k))
+    log = GenerationLog(max_new_tokens=14)
+    policy = make_policy(name, budget=budget)
+    rows = run_batch(model, policy, batch, log, tokenizer, protocol=protocol, kernels="torch", leaving=True, **settings)
+    for got, want in zip(rows, expected, strict=True):
+        assert got == want
+    assert len(calls) >= 2 and calls[-1] < 3
+    assert log.rows == 3 and log.generated_tokens == sum(len(row["tokens"]) for row in expected)
+    carried = run_batch(model, make_policy(name, budget=budget), batch, GenerationLog(14), tokenizer,
+                        protocol=protocol, kernels="torch", **settings)  # fmt: skip
+    assert [row["tokens"] for row in carried] == [row["tokens"] for row in expected]

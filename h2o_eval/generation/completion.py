@@ -12,7 +12,7 @@ import torch
 from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import Batch, end_tokens
 from h2o_eval.generation.log import GenerationLog, cpu_into, cpu_parts
-from h2o_eval.generation.passes import decode, feed, settle
+from h2o_eval.generation.passes import decode, decode_leaving, feed, settle
 from h2o_eval.policies import Interval, Policy
 
 
@@ -107,9 +107,54 @@ def run_batch(
     *,
     protocol: str,
     kernels: str,
+    leaving: bool = False,
     **kwargs: Any,
 ) -> list[dict[str, Any]]:
-    """:func:`generate` one batch and log it (:meth:`GenerationLog.add`), timing the generation."""
+    """:func:`generate` one batch and log it (:meth:`GenerationLog.add`), timing the generation. ``leaving``: each
+    row leaves the batch as its answer ends (:func:`~h2o_eval.generation.passes.decode_leaving`), logged with its
+    cache as it then is, so that a long answer decodes alone rather than carrying the finished rows to its end."""
+    if leaving:
+        return _run_batch_leaving(model, policy, batch, log, tokenizer, protocol=protocol, kernels=kernels, **kwargs)
     began, cpu = time.perf_counter(), cpu_parts()
     sequences, cache = generate(model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, cpu=cpu, **kwargs)
     return log.add(batch, sequences, cache, time.perf_counter() - began, end_tokens(tokenizer), cpu)
+
+
+def _run_batch_leaving(
+    model: Any,
+    policy: Policy,
+    batch: Batch,
+    log: GenerationLog,
+    tokenizer: Any,
+    *,
+    protocol: str,
+    kernels: str,
+    decoding: str = "evict",
+    graphs: bool | str = True,
+    interval: Interval | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    began, cpu, ends = time.perf_counter(), cpu_parts(), end_tokens(tokenizer)
+    cache = EvictionCache(
+        model, policy, protocol=protocol, kernels=kernels, decoding=decoding, graphs=graphs, interval=interval
+    )
+    width, total, outputs = batch.input_ids.shape[1], kwargs["max_new_tokens"], {}
+
+    def leave(rows: list[int], part: EvictionCache, sequences: torch.Tensor) -> None:
+        own = Batch(batch.input_ids[rows], batch.attention_mask[rows], batch.context_width, batch.generated)
+        outputs.update(zip(rows, log.add(own, sequences, part, 0.0, ends), strict=True))
+
+    def generate_leaving(ids: torch.Tensor, mask: torch.Tensor, **settings: Any) -> torch.Tensor:
+        if ids.shape[1] > width:
+            first = "decoding"
+        else:
+            first = "question" if batch.context_width is not None and batch.context_width < width else "prompt"
+        if ids.shape[1] - width + settings["max_new_tokens"] < total:  # the prompt's token before its compression
+            return decode(model, cache, ids, mask, cpu=cpu, first=first, tokenizer=tokenizer, **settings)
+        return decode_leaving(model, cache, ids, mask, leave, cpu=cpu, first=first, tokenizer=tokenizer, **settings)
+
+    complete(model, cache, batch, tokenizer, generate=generate_leaving, cpu=cpu, **kwargs)
+    log.seconds += time.perf_counter() - began
+    for part, spent in cpu.items():
+        log.cpu[part] += spent
+    return [outputs[row] for row in range(len(outputs))]

@@ -4,7 +4,7 @@ is compressed."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,12 +59,20 @@ class _AnyRowEnds(StoppingCriteria):
 
 
 def decode_leaving(
-    model: Any, cache: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any
+    model: Any,
+    cache: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    leave: Callable[[list[int], Any, torch.Tensor], None] | None = None,
+    **kwargs: Any,
 ) -> torch.Tensor:
-    """:func:`decode` through a stack of caches (:class:`~h2o_eval.groups.StackedCache`) whose rows leave the batch
-    as their answers end: ``generate`` stops whenever a row generates an end of sequence (the model's), the stack
-    keeps the other rows (:meth:`~h2o_eval.groups.StackedCache.rows`) and ``generate`` goes on for them. Returns
-    what :func:`decode` returns: the rows' sequences, a row that ended padded after it with ``pad_token_id``."""
+    """:func:`decode` through a cache whose rows leave the batch as their answers end: ``generate`` stops whenever a
+    row generates an end of sequence (the model's), the cache keeps the other rows (``cache.rows``: a stack's
+    :meth:`~h2o_eval.groups.StackedCache.rows`, an :meth:`~h2o_eval.cache.EvictionCache.rows`) and ``generate`` goes
+    on for them. ``leave(rows, cache, sequences)``, where given, is told of the rows (indices into ``input_ids``) as
+    they leave, with a cache of theirs alone as it is then and their sequences; the last rows with the cache itself.
+    Returns what :func:`decode` returns: the rows' sequences, a row that ended padded after it with
+    ``pad_token_id``."""
     ends = eos_tokens(model)
     width, total, pad = input_ids.shape[1], kwargs["max_new_tokens"], kwargs.get("pad_token_id")
     rows, done = list(range(input_ids.shape[0])), {}
@@ -77,8 +85,12 @@ def decode_leaving(
         ended = [j for j in range(len(rows)) if int(ids[j, -1]) in ends]
         if ids.shape[1] - width >= total or not ended or len(ended) == len(rows):
             done |= dict(zip(rows, ids[:, width:], strict=True))
+            if leave is not None:
+                leave(rows, cache, ids)
             break
         done |= {rows[j]: ids[j, width:] for j in ended}
+        if leave is not None:
+            leave([rows[j] for j in ended], cache.rows(ended), ids[ended])
         keep = [j for j in range(len(rows)) if j not in ended]
         cache, rows, ids = cache.rows(keep), [rows[j] for j in keep], ids[keep]
         mask = torch.cat([mask[keep], mask.new_ones(len(keep), ids.shape[1] - mask.shape[1])], dim=-1)
