@@ -110,3 +110,92 @@ def test_a_reasoning_run_records_both_scores_the_share_answered_and_the_generate
     assert generation["generated_tokens_median"] == lengths[1]
     assert generation["hit_max_new_tokens"] == pytest.approx(sum(n >= 12 for n in lengths) / 3)
     assert all(o["capacity"] <= 48 for o in outputs) and generation["kv_peak_entries"] <= 48
+
+
+def test_pass_at_k_is_the_share_of_k_subsets_of_the_samples_holding_a_right_one():
+    """Reference: every k-subset of n samples enumerated; implementation: the unbiased estimator."""
+    from itertools import combinations
+
+    from h2o_eval.runners.reasoning import pass_at
+
+    for n in (1, 4, 7):
+        for correct in range(n + 1):
+            right = [True] * correct + [False] * (n - correct)
+            for k in range(1, n + 1):
+                subsets = list(combinations(right, k))
+                assert pass_at(n, correct, k) == pytest.approx(sum(map(any, subsets)) / len(subsets))
+
+
+def test_first_difference_is_where_a_trace_departs_from_the_full_caches():
+    from h2o_eval.runners.reasoning import first_difference
+
+    assert first_difference([1, 2, 3], [1, 2, 3]) == 3
+    assert first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+    assert first_difference([4], [1]) == 0
+
+
+def test_agreement_with_the_full_cache_is_the_same_read_from_its_record_or_generated(data_dir, tmp_path, monkeypatch):
+    """Reference: the full cache's record and outputs, then the agreement computed by hand from both outputs files;
+    implementation: the runner's agreement, once with the full cache's record in results_dir (read, nothing
+    generated again) and once in an empty one (generated in the process). Both give the same numbers."""
+    import statistics
+
+    from h2o_eval.runners import reasoning
+
+    common = {"model": "tiny-llama", "task": "math500", "limit": 3, "task.max_new_tokens": 10}
+    _, full = execute(validate(make_config(data_dir, tmp_path / "a", policy="full", **common)))
+    assert full["metrics"]["agreement"] == 1.0 and full["generation"]["agreement"]["same_trace"] == 1.0
+    calls, solve = [], reasoning.solve
+    monkeypatch.setattr(reasoning, "solve", lambda *a: calls.append(a[2].name) or solve(*a))
+    monkeypatch.setattr(reasoning, "_FULL", {})
+    _, read = execute(validate(make_config(data_dir, tmp_path / "a", policy="h2o", budget=40, **common)))
+    assert calls == ["h2o"]
+    _, generated = execute(validate(make_config(data_dir, tmp_path / "b", policy="h2o", budget=40, **common)))
+    assert calls == ["h2o", "h2o", "full"]
+
+    def rows(record, folder):
+        return [json.loads(line) for line in (folder / record["outputs"]).read_text().splitlines()]
+
+    mine, theirs = rows(read, tmp_path / "a"), rows(full, tmp_path / "a")
+    departures = []
+    for a, b in zip(mine, theirs, strict=True):
+        same = [x == y for x, y in zip(a["token_ids"], b["token_ids"], strict=False)]
+        departures.append(same.index(False) if False in same else min(len(a["token_ids"]), len(b["token_ids"])))
+    assert read["metrics"]["agreement"] == pytest.approx(
+        statistics.fmean(a["final_answer"] == b["final_answer"] for a, b in zip(mine, theirs, strict=True))
+    )
+    assert read["generation"]["agreement"]["first_difference_median"] == statistics.median(departures)
+    assert min(departures) < 10, "h2o at 40 tokens should depart from the full cache here, or the test proves little"
+    assert (
+        generated["metrics"] == read["metrics"]
+        and generated["generation"]["agreement"] == read["generation"]["agreement"]
+    )
+
+
+def test_sampled_solutions_name_their_seeds_repeat_under_them_and_give_pass_at_k(data_dir, tmp_path):
+    from h2o_eval.runners.reasoning import pass_at
+
+    overrides = {"model": "tiny-llama", "task": "gsm8k", "policy": "h2o", "budget": 48, "limit": 2,
+                 "task.max_new_tokens": 6, "generation.sample": True, "generation.temperature": 1.0,
+                 "generation.samples": 4, "seed": 7}  # fmt: skip
+    _, record = execute(validate(make_config(data_dir, tmp_path / "a", **overrides)))
+    _, again = execute(validate(make_config(data_dir, tmp_path / "b", **overrides)))
+    outputs = [json.loads(line) for line in (tmp_path / "a" / record["outputs"]).read_text().splitlines()]
+    assert record["generation"]["seeds"] == [7, 8, 9, 10] and record["n_samples"] == 8
+    assert [(o["id"], o["sample"], o["seed"]) for o in outputs] == [(i, s, 7 + s) for s in range(4) for i in range(2)]
+    assert len({tuple(o["token_ids"]) for o in outputs}) > 2, "sampled solutions should differ"
+    repeated = [json.loads(line) for line in (tmp_path / "b" / again["outputs"]).read_text().splitlines()]
+    assert [o["token_ids"] for o in repeated] == [o["token_ids"] for o in outputs]
+    for k in (1, 2, 4):
+        for score in ("accuracy", "math_verify"):
+            expected = [pass_at(4, int(sum(o["scores"][score] for o in outputs if o["id"] == i)), k) for i in (0, 1)]
+            assert record["metrics"][f"{score}_pass@{k}"] == pytest.approx(sum(expected) / 2)
+    assert record["metrics"]["accuracy_pass@1"] == pytest.approx(record["metrics"]["accuracy"])
+    assert "agreement" not in record["metrics"]
+
+
+def test_several_greedy_samples_are_refused_in_one_line(data_dir, tmp_path):
+    with pytest.raises(ConfigError, match="generation.samples=4 would repeat one greedy solution: set generation"):
+        validate(make_config(data_dir, tmp_path, model="tiny-llama", task="math500", policy="h2o",
+                             **{"generation.samples": 4}))  # fmt: skip

@@ -18,6 +18,7 @@ from h2o_eval.errors import ConfigError
 from h2o_eval.runners import Evaluation, Runner
 
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
+GENERATION = ("max_new_tokens", "max_words", "sample", "temperature", "top_p")  # the generation settings it reads
 
 
 def template(task: Mapping[str, Any]) -> dict[str, Any]:
@@ -118,7 +119,8 @@ class SummarisationRunner(Runner):
         return [] if data_dir is None else [local_data_file(task, data_dir)]
 
     def identity(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        return {"generation": config["generation"]}
+        """The ``generation`` settings it reads (not ``samples``: the reasoning tasks')."""
+        return {"generation": {key: config["generation"][key] for key in GENERATION}}
 
     def evaluate(self, model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]) -> Evaluation:
         """A summary per document (the first ``limit``), ``batch_size`` at a time; ROUGE against the reference."""
