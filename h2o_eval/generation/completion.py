@@ -113,31 +113,18 @@ def run_batch(
     """:func:`generate` one batch and log it (:meth:`GenerationLog.add`), timing the generation. ``leaving``: each
     row leaves the batch as its answer ends (:func:`~h2o_eval.generation.passes.decode_leaving`), logged with its
     cache as it then is, so that a long answer decodes alone rather than carrying the finished rows to its end."""
-    if leaving:
-        return _run_batch_leaving(model, policy, batch, log, tokenizer, protocol=protocol, kernels=kernels, **kwargs)
     began, cpu = time.perf_counter(), cpu_parts()
+    if leaving:
+        made = {name: kwargs.pop(name) for name in ("decoding", "graphs", "interval") if name in kwargs}
+        cache = EvictionCache(model, policy, protocol=protocol, kernels=kernels, **made)
+        return _leaving(model, cache, batch, log, tokenizer, began, cpu, **kwargs)
     sequences, cache = generate(model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, cpu=cpu, **kwargs)
     return log.add(batch, sequences, cache, time.perf_counter() - began, end_tokens(tokenizer), cpu)
 
 
-def _run_batch_leaving(
-    model: Any,
-    policy: Policy,
-    batch: Batch,
-    log: GenerationLog,
-    tokenizer: Any,
-    *,
-    protocol: str,
-    kernels: str,
-    decoding: str = "evict",
-    graphs: bool | str = True,
-    interval: Interval | None = None,
-    **kwargs: Any,
-) -> list[dict[str, Any]]:
-    began, cpu, ends = time.perf_counter(), cpu_parts(), end_tokens(tokenizer)
-    cache = EvictionCache(
-        model, policy, protocol=protocol, kernels=kernels, decoding=decoding, graphs=graphs, interval=interval
-    )
+def _leaving(model, cache: EvictionCache, batch: Batch, log: GenerationLog, tokenizer, began: float, cpu, **kwargs):
+    """:func:`run_batch` with ``leaving``, through ``cache``; ``began`` and ``cpu``: its start and CPU seconds."""
+    ends = end_tokens(tokenizer)
     width, total, outputs = batch.input_ids.shape[1], kwargs["max_new_tokens"], {}
 
     def leave(rows: list[int], part: EvictionCache, sequences: torch.Tensor) -> None:
