@@ -171,6 +171,23 @@ def test_the_threshold_setting_wraps_the_configured_policy():
         configured_policy(dict(config, policy={"name": "streaming"}))
 
 
+def test_policy_dms_from_its_yaml_builds_with_its_own_threshold_and_refuses_a_second(tmp_path):
+    """``policy=dms`` names its threshold in its YAML (the reasoning board's ``policy=reasoning/dms`` too): the run's
+    config builds it, and a ``threshold=`` beside it is refused in one line."""
+    from conftest import make_config
+
+    for option, threshold, decoding in (("dms", -5.0, False), ("reasoning/dms", -18.0, True)):
+        policy = configured_policy(make_config(None, tmp_path, policy=option))
+        assert (policy.name, policy.base.name, policy.threshold, policy.decoding) == (
+            "dms",
+            "knorm",
+            threshold,
+            decoding,
+        )
+    with pytest.raises(ConfigError, match="policy=dms has its own: give one of them"):
+        configured_policy(make_config(None, tmp_path, policy="dms", threshold=-2.0))
+
+
 @torch.no_grad()
 def test_a_threshold_keeps_the_same_tokens_whatever_the_budget_given(tiny):
     """Reference: dms over a Compactor built at budget 1.0 (kvpress's DMSPress over a CompactorPress at its default

@@ -130,9 +130,12 @@ def configured_policy(config: Mapping[str, Any]) -> Policy:
     ``budget``, rounded as its ``rounding`` says; with a ``threshold`` (not null), that policy as the base of
     ``dms`` at that threshold instead of a budget."""
     params = {key: value for key, value in config["policy"].items() if key != "name"}
-    return make_policy(
-        config["policy"]["name"], config["budget"], config.get("threshold"), rounding=config["rounding"], **params
-    )
+    threshold = config.get("threshold")
+    if "threshold" in params:  # policy=dms's own
+        if threshold is not None:
+            raise ConfigError("threshold=... wraps the policy in dms, and policy=dms has its own: give one of them")
+        threshold = params.pop("threshold")
+    return make_policy(config["policy"]["name"], config["budget"], threshold, rounding=config["rounding"], **params)
 
 
 def configured_interval(config: Mapping[str, Any], policy: Policy) -> Interval | None:
