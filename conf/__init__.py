@@ -43,6 +43,13 @@ def task_default(task: Mapping[str, Any], setting: str) -> Any:
     return runner.default_protocol(task) if setting == "protocol" else runner.default_fewshot(task)
 
 
+def pick(key: Any, table: Mapping[str, Any], default: Any) -> Any:
+    """``${pick:KEY,{KEY: VALUE, ...},DEFAULT}``: a setting chosen by another, e.g. the decoding rule by the policy's
+    name in a preset whose cells differ in more than one swept value (``+experiment=reasoning``)."""
+    return table.get(key, default)
+
+
 OmegaConf.register_new_resolver(
     "task_default", lambda setting, _root_: task_default(dict(_root_.task), setting), replace=True
 )
+OmegaConf.register_new_resolver("pick", pick, replace=True)

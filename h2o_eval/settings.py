@@ -87,7 +87,8 @@ def departures(config: Mapping[str, Any], built_policy: Mapping[str, Any]) -> di
     """A run's settings that differ from their defaults (see the module), besides what every report names, as
     dotted keys: the policy's parameters as :func:`policy_departures` gives them (``window``), the task's
     (``task.questions``), ``decoding`` (never under ``simulate``, where nothing is compressed) and under
-    ``decoding=interval`` its ``interval.*`` settings, ``rounding``,
+    ``decoding=interval`` its ``interval.*`` settings (a ``target_size`` that is the budget, in tokens, is named
+    as the budget), ``rounding``,
     ``seed``, ``dtype`` and summarisation's ``generation.*``."""
     from h2o_eval.runners import runner_of
 
@@ -102,7 +103,11 @@ def departures(config: Mapping[str, Any], built_policy: Mapping[str, Any]) -> di
         value = extra.get(key, config.get(key))
         if isinstance(value, Mapping):
             usual = flatten(defaults.get(key) or {}, f"{key}.")
-            found |= {k: v for k, v in flatten(value, f"{key}.").items() if usual.get(k) != v}
+            found |= {
+                k: v
+                for k, v in flatten(value, f"{key}.").items()
+                if usual.get(k) != v and not (k == "interval.target_size" and v == config.get("budget"))
+            }
         elif key in defaults and value != defaults[key]:
             found[key] = value
     task = config["task"]

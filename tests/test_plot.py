@@ -42,7 +42,7 @@ def results_dir(tmp_path):
         records += [fake_record("copa", "h2o", budget, h2o), fake_record("copa", "local", budget, local)]
     records += [fake_record("copa", "h2o", 0.2, 0.66, protocol="prefill"), fake_record("xsum", "h2o", 0.2, 0.04)]
     records += [fake_record("copa", "h2o", 0.1, 0.1, created="2026-11-21T00:00:00+00:00")]  # older rerun: dropped
-    records += [fake_record("copa", "h2o", 16, 0.6)]  # integer budgets have no place on a % axis
+    records += [fake_record("copa", "h2o", 16, 0.6)]  # a budget in tokens: a row, but no point on a % axis
     for number, record in enumerate(records):
         results.write_record(tmp_path / f"r{number}.json", record)
     return tmp_path
@@ -55,9 +55,30 @@ def test_table_keeps_the_newest_record_per_setting_and_the_primary_metric(result
         for r in rows
         if r["task"] == "copa" and r["policy"] == "h2o" and r["protocol"] == "simulate"
     ]
-    assert copa_h2o == [(0.1, 0.6), (0.2, 0.65), (0.5, 0.7)]
+    assert copa_h2o == [(0.1, 0.6), (0.2, 0.65), (0.5, 0.7), (16, 0.6)]
     assert [(r["metric"], r["value"]) for r in rows if r["task"] == "xsum"] == [("rouge2", 0.04)]
-    assert len(rows) == 9
+    assert len(rows) == 10
+    assert tables.percent(16) == "16 tokens" and tables.percent(0.2) == "20%"
+    drawn = [line.get_xdata() for line in figures.figure(rows, "copa").axes[0].lines if len(line.get_xdata()) > 2]
+    assert drawn and all(max(xs) <= 100 for xs in drawn)
+
+
+def test_budgets_in_tokens_are_drawn_on_an_axis_of_tokens_a_threshold_run_at_the_tokens_it_held(tmp_path):
+    """The reasoning board's budgets count tokens (the prompt's and the generation's): its figures' x axis counts
+    them, one line per policy across budgets, and a DMS run stands at the tokens it held."""
+    records = [fake_record("gsm8k", "full", 1.0, 0.8)]
+    records += [fake_record("gsm8k", "h2o", budget, value) for budget, value in ((128, 0.3), (256, 0.5), (512, 0.7))]
+    dms = fake_record("gsm8k", "dms", 128, 0.6)
+    dms["capacity"] = {"kept_fraction_mean": 0.4, "capacity_mean": 200.0}
+    records.append(dms)
+    for number, record in enumerate(records):
+        results.write_record(tmp_path / f"r{number}.json", record)
+    rows = tables.table(results.load_records(tmp_path))
+    ax = figures.figure(rows, "gsm8k").axes[0]
+    assert ax.get_xscale() == "log" and "tokens" in ax.get_xlabel()
+    assert [tick.get_text() for tick in ax.get_xticklabels()] == ["128", "256", "512"]
+    points = {tuple(line.get_xdata()) for line in ax.lines if line.get_label() != "full cache"}
+    assert (128, 256, 512) in points and (200.0,) in points
 
 
 def test_side_by_side_puts_each_policy_and_protocol_of_one_budget_beside_the_full_cache(results_dir, tmp_path):

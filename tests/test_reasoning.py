@@ -199,3 +199,26 @@ def test_several_greedy_samples_are_refused_in_one_line(data_dir, tmp_path):
     with pytest.raises(ConfigError, match="generation.samples=4 would repeat one greedy solution: set generation"):
         validate(make_config(data_dir, tmp_path, model="tiny-llama", task="math500", policy="h2o",
                              **{"generation.samples": 4}))  # fmt: skip
+
+
+def test_the_reasoning_board_runs_each_policy_under_its_decoding_rule_and_each_task_to_its_length():
+    """+experiment=reasoning's cells: the per-step policies and the full cache under decoding=evict, knorm and
+    expected_attention under kvpress's DecodingPress (decoding=interval, compressing to the budget), DMS with its
+    threshold, each task to its own max_new_tokens; the full cache is swept first (the others read its record)."""
+    from omegaconf import OmegaConf
+
+    from h2o_eval.grid import preset_sweep
+    from h2o_eval.names import compose, expand
+
+    jobs = expand(preset_sweep(["+experiment=reasoning"]))
+    assert len(jobs) == 2 * 2 * 8 * 3
+    configs = [OmegaConf.to_container(compose(job), resolve=True) for job in jobs]
+    assert configs[0]["policy"]["name"] == "full"
+    for config in configs:
+        name = config["policy"]["name"]
+        assert config["decoding"] == ("interval" if name in ("knorm", "expected_attention") else "evict"), name
+        assert config["interval"]["target_size"] == config["budget"] and config["budget"] in (128, 256, 512)
+        assert config["task"]["max_new_tokens"] == {"math500": 1024, "gsm8k": 512}[config["task"]["name"]]
+        assert config["protocol"] == "prefill" and config["limit"] == 16
+    dms = [c["policy"] for c in configs if c["policy"]["name"] == "dms"]
+    assert dms and all(p["threshold"] == -18.0 and p["decoding"] and p["base"] == "knorm" for p in dms)

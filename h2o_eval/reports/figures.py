@@ -50,6 +50,9 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
 
     title = _title(rows, task)
     rows, asked = _task_rows(rows, task, significant)
+    tokens = in_tokens(rows)
+    if not tokens:  # a budget in tokens has no place on an axis of fractions
+        rows = [r for r in rows if not isinstance(r["budget"], int) or r["kept"] is not None]
     models = sorted({r["model"] for r in rows})
     protocols = sorted({r["protocol"] for r in rows if r["method"] != "full"} or {r["protocol"] for r in rows})
     method = {r["policy"]: r["method"] for r in rows}
@@ -61,18 +64,41 @@ def figure(rows: list[dict[str, Any]], task: str, significant: frozenset[tuple] 
     ]
     fig, ax = plt.subplots(figsize=(6, 4))
     for index in range(len(models)):
-        _draw_model(ax, rows, drawn, index, models, protocols)
+        _draw_model(ax, rows, drawn, index, models, protocols, tokens)
     if any(r["ringed"] for r in rows):
         ax.scatter([], [], s=160, facecolors="none", edgecolors="grey", label=f"differs from full (p < {stats.ALPHA})")
     metric = rows[0]["metric"] if rows else ""
     ax.autoscale_view()
     note = ", ".join([*(rows[0]["shared"] if rows else ()), *([asked] if asked else [])])
     title += f" ({note})" if note else ""
-    ax.set(xlabel=budget_label(protocols), ylabel=metric, title=textwrap.fill(title, 60), xlim=(0, 100))
+    ax.set(ylabel=metric, title=textwrap.fill(title, 60))
+    if tokens:
+        budgets = sorted({r["budget"] for r in rows if isinstance(r["budget"], int)})
+        ax.set(xlabel="KV cache budget (tokens, the prompt and the generation's)", xscale="log", xlim=None)
+        ax.set_xticks(budgets, [str(budget) for budget in budgets])
+        ax.xaxis.set_minor_formatter("")
+    else:
+        ax.set(xlabel=budget_label(protocols), xlim=(0, 100))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def in_tokens(rows: list[dict[str, Any]]) -> bool:
+    """Whether a figure's budgets are counts of tokens (the reasoning tasks'), not fractions: every run's but the
+    full cache's and a threshold's. Its x axis then counts tokens (logarithmic), and a threshold run stands at the
+    tokens it held. Where budgets of both kinds meet, the figure draws the fractions."""
+    budgets = [r["budget"] for r in rows if r["kept"] is None and r["method"] != "full"]
+    return bool(budgets) and all(isinstance(budget, int) for budget in budgets)
+
+
+def x_of(point: dict[str, Any], tokens: bool) -> float:
+    """Where a point stands on the budget axis: its budget (in percent of a fraction), or a threshold run's share
+    (:func:`~h2o_eval.reports.tables.position`), in tokens held where the axis counts tokens."""
+    if tokens:
+        return point["held"] if point["kept"] is not None else point["budget"]
+    return 100 * position(point)
 
 
 def _title(rows: list[dict[str, Any]], task: str) -> str:
@@ -117,7 +143,13 @@ def _questions_of_task(rows: list[dict[str, Any]]) -> str:
 
 
 def _draw_model(
-    ax: Any, rows: list[dict[str, Any]], drawn: list[tuple], index: int, models: list[str], protocols: list[str]
+    ax: Any,
+    rows: list[dict[str, Any]],
+    drawn: list[tuple],
+    index: int,
+    models: list[str],
+    protocols: list[str],
+    tokens: bool,
 ) -> None:
     """Model ``index`` of ``models``: its full cache as a dashed line in its shade (black, then greys), its
     oracle dotted in the same shade, and its other policies' lines (of ``drawn``: every line of the figure, each
@@ -145,6 +177,7 @@ def _draw_model(
             ax,
             points,
             offset(ax, drawn.index((model, policy, protocol)), len(drawn)),
+            tokens,
             label=label,
             color=shade if oracle else colors[number % len(colors)],
             linestyle=":" if oracle else "-" if index == 0 else "-.",
@@ -152,11 +185,12 @@ def _draw_model(
         )
 
 
-def _draw_points(ax: Any, points: list[dict[str, Any]], transform: Any, **style: Any) -> None:
+def _draw_points(ax: Any, points: list[dict[str, Any]], transform: Any, tokens: bool, **style: Any) -> None:
     """One line of a figure in ``style`` (its label, color, linestyle and markersize): its points with their
-    stderr as error bars, drawn through the sideways-shifted ``transform``, the ``ringed`` ones circled."""
+    stderr as error bars, drawn through the sideways-shifted ``transform`` at :func:`x_of` (``tokens``: on an axis
+    of tokens), the ``ringed`` ones circled."""
     ax.errorbar(
-        [100 * position(p) for p in points],
+        [x_of(p, tokens) for p in points],
         [p["value"] for p in points],
         yerr=[p["stderr"] or 0.0 for p in points],
         marker="o",
@@ -165,11 +199,11 @@ def _draw_points(ax: Any, points: list[dict[str, Any]], transform: Any, **style:
         **style,
     )
     ax.update_datalim(  # an offset transform keeps the points out of autoscaling
-        [(100 * position(p), p["value"] + sign * (p["stderr"] or 0.0)) for p in points for sign in (-1, 1)]
+        [(x_of(p, tokens), p["value"] + sign * (p["stderr"] or 0.0)) for p in points for sign in (-1, 1)]
     )
     ringed = [p for p in points if p["ringed"]]
     ax.scatter(
-        [100 * position(p) for p in ringed],
+        [x_of(p, tokens) for p in ringed],
         [p["value"] for p in ringed],
         s=160,
         facecolors="none",

@@ -30,7 +30,7 @@ COLUMNS = (
 
 
 def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict[str, Any]]:
-    """One row per run with a fraction budget: the task's primary metric (the record's ``metric``, else ``acc``,
+    """One row per run: the task's primary metric (the record's ``metric``, else ``acc``,
     ``rouge2`` for summarisation, ``string_match_all`` or ``string_match_part`` for long context) unless ``metric``
     names another, sorted by task, model, protocol, policy and budget. A long-context task is one task per prompt
     length (``niah_single@4096``): its documents, and so its comparisons, differ with it.
@@ -51,7 +51,7 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
     kept = []
     for record in records:
         name = metric or stats.primary_metric(record, PRIMARY_METRIC.get(record["task"], "acc"))
-        if name in record["metrics"] and (isinstance(record["budget"], float) or kept_share(record) is not None):
+        if name in record["metrics"]:
             kept.append((record, name))
     own, shared = report_labels([r["config"] for r, _ in kept], [r["policy_params"] for r, _ in kept])
     newest: dict[tuple, dict[str, Any]] = {}
@@ -73,6 +73,7 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "shared": tuple(shared),
             "budget": record["budget"],
             "kept": kept_share(record),
+            "held": record.get("capacity", {}).get("capacity_mean"),
             "metric": name,
             "value": record["metrics"][name],
             "stderr": record["metrics"].get(f"{name}_stderr"),
@@ -195,8 +196,11 @@ def mixed_limits(rows: list[dict[str, Any]]) -> dict[str, list[int | float | Non
     return {task: sorted(found, key=limit_order) for task, found in limits.items() if len(found) > 1}
 
 
-def percent(budget: float) -> str:
-    """A fraction budget as every report prints it ("20%")."""
+def percent(budget: float | int) -> str:
+    """A budget as every report prints it: a fraction as a percentage ("20%"), a count of tokens as such ("512
+    tokens")."""
+    if isinstance(budget, int):
+        return f"{budget} tokens"
     return f"{100 * budget:.3g}%"
 
 

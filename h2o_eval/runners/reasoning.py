@@ -206,6 +206,10 @@ class ReasoningRunner(Runner):
             "n_samples": len(outputs),
             **log.fields(),
         }
+        for output in outputs:  # the length in tokens, read as a score: its mean, paired tests and plots per run
+            output["scores"]["generated_tokens"] = float(len(output["token_ids"]))
+        fields["metric"] = "accuracy"
+        fields["metrics"]["generated_tokens"] = statistics.fmean(o["scores"]["generated_tokens"] for o in outputs)
         lengths = [len(o["token_ids"]) for o in outputs]
         fields["generation"] |= {
             "generated_tokens_median": statistics.median(lengths),
@@ -291,11 +295,14 @@ def full_solutions(model: Any, tokenizer: Any, config: Mapping[str, Any], proble
 
 
 def agreement(task: Mapping[str, Any], outputs: list[dict], full: list[dict]) -> tuple[float, dict[str, float]]:
-    """The share of problems whose final answer is the full cache's, and ``generation.agreement``: the median
-    position of the first token that departs from the full cache's trace, and the share of traces equal to it."""
+    """The share of problems whose final answer is the full cache's (each output's ``scores.agreement``), and
+    ``generation.agreement``: the median position of the first token that departs from the full cache's trace, and
+    the share of traces equal to it."""
     pairs = list(zip(outputs, full, strict=True))
     departures = [first_difference(o["token_ids"], f["token_ids"]) for o, f in pairs]
-    same = statistics.fmean(o["final_answer"] == f["final_answer"] for o, f in pairs)
+    for output, theirs in pairs:
+        output["scores"]["agreement"] = float(output["final_answer"] == theirs["final_answer"])
+    same = statistics.fmean(o["scores"]["agreement"] for o in outputs)
     return same, {
         "first_difference_median": statistics.median(departures),
         "same_trace": statistics.fmean(o["token_ids"] == f["token_ids"] for o, f in pairs),
