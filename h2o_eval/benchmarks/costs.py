@@ -5,6 +5,12 @@ one thread, and the generation's tokens/s; docs/costs.md's "Seconds per document
     python -m h2o_eval.benchmarks.costs --leaderboard SHARED ONE [--model smollm2-135m] [--documents 40]
     python -m h2o_eval.benchmarks.costs --parts RECORDS
     python -m h2o_eval.benchmarks.costs --estimate MEASURED ANSWERS... [--model smollm2-135m] [--documents 40]
+    python -m h2o_eval.benchmarks.costs --reasoning --data-dir ../shared/data [--models smollm2-135m] [--batches 1 8]
+
+``--reasoning`` runs MATH-500's first 8 problems under H2O at 256 tokens (256 new tokens at most) once per batch
+size, the problems leaving their batch as their solutions end, and prints the solutions' generated tokens per CPU
+second and per second of wall time (the policy's own generation: not the full cache's solutions the agreement
+needs, nor the load).
 
 ``--parts`` reads the records in RECORDS that split their CPU time (``generation.cpu_seconds``) and prints, per task
 and model, the CPU seconds per context and cell of each part: the prompt's pass, scoring, the question's pass,
@@ -233,7 +239,25 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=40)
     parser.add_argument("--parts", type=Path, metavar="RECORDS")
     parser.add_argument("--estimate", type=Path, nargs="+", metavar=("MEASURED", "ANSWERS"))
+    parser.add_argument("--reasoning", action="store_true", help="tokens/s of reasoning solutions, per batch size")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     args = parser.parse_args()
+    if args.reasoning:
+        if args.data_dir is None:
+            parser.error("--reasoning reads MATH-500: give --data-dir")
+        print("| model | batch | solutions | generated tokens | generation CPU s | tokens per CPU s | tokens/s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        with tempfile.TemporaryDirectory() as folder:
+            for model in args.models:
+                for batch in args.batches:
+                    overrides = ["task=math500", "limit=8", "policy=h2o", "budget=256", "task.max_new_tokens=256"]
+                    record = measure(model, [*overrides, f"batch_size={batch}"], args.data_dir.resolve(), Path(folder))
+                    generation = record["generation"]
+                    tokens = generation["generated_tokens_mean"] * record["n_samples"]
+                    cpu = sum(generation["cpu_seconds"].values())
+                    n, speed = record["n_samples"], generation["generated_tokens_per_s"]
+                    print(f"| {model} | {batch} | {n} | {tokens:.0f} | {cpu:.1f} | {tokens / cpu:.1f} | {speed:.1f} |")
+        return
     if args.estimate:
         rows = parts_estimate(args.estimate[0], args.estimate[1:], args.model, args.documents)
         print(f"kv_leaderboard from the parts in {args.estimate[0]}, {args.documents} contexts a task")
