@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every command behind results/reasoning/ (issue 71: reasoning under decode-time eviction). Records go to RECORDS
+# (default results/reasoning/records, committed). Resumable: a cell whose record exists is skipped.
+#   bash results/reasoning.sh [DATA_DIR] [RECORDS] [STAGE ...]
+# Each board stage is one process of one thread; on a 2-core machine run the two models side by side, then tables:
+#   bash results/reasoning.sh ../shared/data results/reasoning/records smollm2 &
+#   bash results/reasoning.sh ../shared/data results/reasoning/records gemma
+#   bash results/reasoning.sh ../shared/data results/reasoning/records tables
+# Stages:
+#   smollm2   +experiment=reasoning for SmolLM2-135M: MATH-500 and GSM8K, LIMIT problems (default the preset's 16)
+#   gemma     the same for Gemma 3 270M
+#   tables    results/reasoning/<metric>/: accuracy, math-verify's, agreement with the full cache and the generated
+#             length against the budget, with paired tests against the full cache; PROVENANCE.md from the records
+set -euo pipefail
+data=${1:-../shared/data}
+out=${2:-results/reasoning/records}
+shift $(( $# < 2 ? $# : 2 ))
+stages=${*:-smollm2 gemma tables}
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
+board() {
+    python -m h2o_eval.grid +experiment=reasoning model="$1" ${LIMIT:+limit=$LIMIT} data_dir="$data" \
+        results_dir="$out" wandb.mode=disabled threads=1
+}
+smollm2() { board smollm2-135m; }
+gemma() { board gemma3-270m; }
+tables() {
+    for metric in accuracy math_verify agreement generated_tokens; do
+        python -m h2o_eval.plot "$out" --metric "$metric" --out "results/reasoning/$metric"
+    done
+    python -m h2o_eval.plot "$out" --out results/reasoning --provenance
+}
+for stage in $stages; do "$stage"; done
