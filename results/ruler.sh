@@ -27,6 +27,8 @@
 #                 qa_1), ONE_LIMIT documents (default 40): 12 policies, kvpress's other presses (issue 61) and the
 #                 board's kvpress/ configurations x 6 ratios (kvpress's 4, 0.9375 and 0.96875), and knorm at 5
 #                 thresholds; LANE=i/n splits its units
+#   board_1q      +experiment=kv_leaderboard as it is: SmolLM2, RULER's 13 tasks, ONE_LIMIT documents (default 40),
+#                 into leaderboard_1q's folder; units of a task and 4 of the preset's policies; LANE=i/n
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -117,6 +119,24 @@ leaderboard_1q() {
             # shellcheck disable=SC2086  # a group is several overrides
             grid +experiment=kv_leaderboard model=smollm2-135m task="$task" limit="${ONE_LIMIT:-40}" batch_size=1 \
                 $group stack_cells=true results_dir="$out/leaderboard_1q"
+        done
+    done
+}
+board_1q() {
+    # The whole one-question board (issue 69): +experiment=kv_leaderboard as it is, SmolLM2, RULER's 13 tasks,
+    # ONE_LIMIT documents (default 40), into the same folder as leaderboard_1q (whose records of the same cells are
+    # skipped). A unit is a task and a quarter of the preset's 16 policies (13-16 cells, stacked: about 5 GB);
+    # LANE=i/n runs every n-th unit from the i-th.
+    local lane=${LANE:-0/1} unit=0 task group
+    local -a groups=(
+        full,kvzip,kvpress/snapkv,knorm oracle,kvpress/expected_attention,streaming,local
+        criticalkv,keydiff,kvpress/pyramidkv,tova kvpress/adakv_compactor,h2o,heavy,kvpress/random
+    )
+    for task in ${board_tasks//,/ }; do
+        for group in "${groups[@]}"; do
+            (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
+            grid +experiment=kv_leaderboard model=smollm2-135m task="$task" limit="${ONE_LIMIT:-40}" batch_size=1 \
+                policy="$group" stack_cells=true results_dir="$out/leaderboard_1q"
         done
     done
 }
