@@ -7,7 +7,7 @@
 #   bash results/reasoning.sh ../shared/data results/reasoning/records gemma
 #   bash results/reasoning.sh ../shared/data results/reasoning/records tables
 # Stages:
-#   smollm2   +experiment=reasoning for SmolLM2-135M: MATH-500 and GSM8K, LIMIT problems (default the preset's 16)
+#   smollm2   +experiment=reasoning for SmolLM2-135M: MATH-500 and GSM8K, LIMIT problems (default the preset's 10)
 #   gemma     the same for Gemma 3 270M
 #   tables    results/reasoning/<metric>/: accuracy, math-verify's, agreement with the full cache and the generated
 #             length against the budget, with paired tests against the full cache; PROVENANCE.md from the records

@@ -219,6 +219,6 @@ def test_the_reasoning_board_runs_each_policy_under_its_decoding_rule_and_each_t
         assert config["decoding"] == ("interval" if name in ("knorm", "expected_attention") else "evict"), name
         assert config["interval"]["target_size"] == config["budget"] and config["budget"] in (128, 256, 512)
         assert config["task"]["max_new_tokens"] == {"math500": 1024, "gsm8k": 512}[config["task"]["name"]]
-        assert config["protocol"] == "prefill" and config["limit"] == 16
+        assert config["protocol"] == "prefill" and config["limit"] == 10
     dms = [c["policy"] for c in configs if c["policy"]["name"] == "dms"]
     assert dms and all(p["threshold"] == -18.0 and p["decoding"] and p["base"] == "knorm" for p in dms)
