@@ -185,6 +185,14 @@ def outputs_path(record: Path) -> Path:
     return record.with_name(f"{record.stem}.outputs.jsonl")
 
 
+def stored_outputs(results_dir: str | Path, config: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The outputs of the record ``config``'s setting has in ``results_dir``, or None without one."""
+    record = stored(record_path(results_dir, config))
+    if record is None or not outputs_path(record).exists():
+        return None
+    return [json.loads(line) for line in outputs_path(record).read_text().splitlines()]
+
+
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write ``rows`` as JSON Lines, atomically like :func:`write_record`."""
     _atomic_write(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))

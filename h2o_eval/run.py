@@ -177,6 +177,9 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
         for policy, config in cells:
             peak = PeakMemory(device)
             evaluations.append(runner.evaluate(model, tokenizer, policy, config))
+            if (reference := runner.reference(config)) is not None:
+                stored = results.stored_outputs(config["results_dir"], reference)
+                runner.compare(model, tokenizer, config, evaluations[-1], stored)
             peaks.append(peak.read())
     seconds = (time.perf_counter() - loaded) / len(cells)
     cpu = (time.process_time() - loaded_cpu) / len(cells)

@@ -108,6 +108,17 @@ class Runner:
     def evaluate(self, model: Any, tokenizer: Any, policy: Any, config: Mapping[str, Any]) -> Evaluation:
         raise NotImplementedError
 
+    def reference(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The settings of the run whose outputs this run's are set beside (the reasoning runner: the full cache's),
+        or None (the default): the run hands that run's stored outputs to :meth:`compare`."""
+        return None
+
+    def compare(
+        self, model: Any, tokenizer: Any, config: Mapping[str, Any], evaluation: Evaluation, stored: list[dict] | None
+    ) -> None:
+        """Set ``evaluation`` beside its :meth:`reference` run's outputs (``stored``: its record's, None where there
+        is none), into its fields and outputs."""
+
     def shares_prompts(self, config: Mapping[str, Any]) -> bool:
         """Whether cells that differ only in policy, budget (or threshold) and protocol can share their prompt pass
         (:meth:`evaluate_shared`)."""

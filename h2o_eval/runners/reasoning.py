@@ -128,6 +128,13 @@ def scores(task: Mapping[str, Any], prediction: str, answer: str) -> dict[str, f
     }
 
 
+def read_problems(config: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The run's problems: the first ``limit`` of its task's file."""
+    task = config["task"]
+    problems = read_jsonl(data_file(task, config["data_dir"]), (task["problem"], task["answer"]))
+    return problems[: first(len(problems), config["limit"])]
+
+
 def data_file(task: Mapping[str, Any], data_dir: str | Path | None) -> Path:
     if data_dir is None:
         raise ConfigError(f"task={task['name']} reads {task['name']}/{task['split']}.jsonl: set data_dir to its folder")
@@ -179,8 +186,7 @@ class ReasoningRunner(Runner):
         from h2o_eval import generation
 
         task, settings = config["task"], config["generation"]
-        problems = read_jsonl(data_file(task, config["data_dir"]), (task["problem"], task["answer"]))
-        problems = problems[: first(len(problems), config["limit"])]
+        problems = read_problems(config)
         seeds = [config["seed"] + s for s in range(settings["samples"] if settings["sample"] else 1)]
         log = generation.GenerationLog(max_new_tokens=task["max_new_tokens"])
         outputs: list[dict[str, Any]] = []
@@ -219,10 +225,27 @@ class ReasoningRunner(Runner):
             fields["generation"] |= {key: settings[key] for key in ("temperature", "top_p", "samples")}
             fields["generation"]["seeds"] = seeds
             fields["metrics"] |= pass_at_k(outputs, len(seeds))
-        else:
-            full = outputs if policy.name == "full" else full_solutions(model, tokenizer, config, problems)
-            fields["metrics"]["agreement"], fields["generation"]["agreement"] = agreement(task, outputs, full)
         return Evaluation(fields, outputs)
+
+    def reference(self, config: Mapping[str, Any]) -> dict[str, Any] | None:
+        """A greedy run is set beside the full cache's (:func:`full_config`); a sampled one beside none."""
+        return None if config["generation"]["sample"] else full_config(config)
+
+    def compare(
+        self, model: Any, tokenizer: Any, config: Mapping[str, Any], evaluation: Evaluation, stored: list[dict] | None
+    ) -> None:
+        """The agreement with the full cache (see the module): its solutions from its record's outputs (``stored``,
+        where they hold every problem's tokens), from this run's own (the full cache's run), or generated once in
+        this process."""
+        outputs = evaluation.outputs
+        if config["policy"]["name"] == "full":
+            full = outputs
+        elif stored is not None and len(stored) >= len(outputs) and all("token_ids" in row for row in stored):
+            full = stored[: len(outputs)]
+        else:
+            full = full_solutions(model, tokenizer, config)
+        fields = evaluation.fields
+        fields["metrics"]["agreement"], fields["generation"]["agreement"] = agreement(config["task"], outputs, full)
 
 
 def solve(
@@ -260,7 +283,7 @@ def solve(
     return solved
 
 
-_FULL: dict[str, list[dict[str, Any]]] = {}  # the full cache's solutions generated in this process, by record path
+_FULL: dict[str, list[dict[str, Any]]] = {}  # the full cache's solutions generated in this process, by setting
 
 
 def full_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -268,30 +291,26 @@ def full_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return {**config, "policy": {"name": "full"}, "budget": 1.0, "decoding": "evict", "threshold": None}
 
 
-def full_solutions(model: Any, tokenizer: Any, config: Mapping[str, Any], problems: list[dict]) -> list[dict]:
-    """The full cache's greedy solutions to ``problems`` (``id``, ``final_answer``, ``token_ids`` each): from its
-    record in ``results_dir`` where that holds them all, else generated once in this process."""
-    from h2o_eval import generation, results
+def full_solutions(model: Any, tokenizer: Any, config: Mapping[str, Any]) -> list[dict]:
+    """The full cache's greedy solutions to the run's problems (``final_answer`` and ``token_ids`` each), generated
+    once in this process (a sweep's cells of one task share them)."""
+    from h2o_eval import generation
     from h2o_eval.policies import Full
 
-    reference = full_config(config)
-    path = results.record_path(config["results_dir"], reference)
-    task, wanted = config["task"], len(problems)
-    if results.stored(path) is not None and results.outputs_path(path).exists():
-        rows = [json.loads(line) for line in results.outputs_path(path).read_text().splitlines()]
-        if len(rows) >= wanted and all("token_ids" in row for row in rows[:wanted]):
-            return rows[:wanted]
-    if str(path) not in _FULL:
+    reference, task = full_config(config), config["task"]
+    key = json.dumps([reference[name] for name in ("model", "task", "limit", "protocol", "seed", "dtype")])
+    if key not in _FULL:
+        problems = read_problems(reference)
         log = generation.GenerationLog(max_new_tokens=task["max_new_tokens"])
-        progress = generation.Progress(wanted, f"the full cache's {task['name']}", "solution")
+        progress = generation.Progress(len(problems), f"the full cache's {task['name']}", "solution")
         solved = solve(model, tokenizer, Full(), reference, problems, log, progress)
         progress.close()
-        _FULL[str(path)] = [
+        _FULL[key] = [
             {"final_answer": final_answer(task, tokenizer.decode(row["tokens"], skip_special_tokens=True).strip()),
              "token_ids": row["tokens"]}
             for _, row in solved
         ]  # fmt: skip
-    return _FULL[str(path)]
+    return _FULL[key]
 
 
 def agreement(task: Mapping[str, Any], outputs: list[dict], full: list[dict]) -> tuple[float, dict[str, float]]:
