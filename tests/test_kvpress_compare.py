@@ -5,6 +5,7 @@ docs/policies.md)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from h2o_eval import load_model
@@ -84,3 +85,43 @@ def test_ruler_prompts_read_the_packages_task_configs_and_word_them_as_kvpress(d
     assert name == "qa_1" and context.startswith("<|im_start|>") and "<|im_start|>user" in context
     assert "?" in question and "<|im_start|>assistant" in suffix and suffix.endswith("Answer:")
     assert sum(len(prompt[part]) for part in ("context", "question", "suffix")) <= 512
+
+
+def test_reasoning_prompts_are_the_token_ids_the_reasoning_runner_feeds(data_dir, monkeypatch):
+    """MATH-500's prompts are what the ``reasoning`` runner feeds (``solve``'s batch, caught before a model runs): a
+    space in the chat template's user turn as the context, the problem with the end of the turn and the assistant
+    header as the question, nothing after; the decoding presses keep the context and are asked the question."""
+    from h2o_eval import generation
+    from h2o_eval.benchmarks.kvpress_compare import _task, prompts
+    from h2o_eval.data import read_jsonl
+    from h2o_eval.models import smollm2_tokenizer
+    from h2o_eval.runners.reasoning import data_file, solve
+
+    class Caught(Exception):
+        pass
+
+    fed = {}
+
+    def make_batch(contexts, questions, *args, **kwargs):
+        fed.update(contexts=contexts, questions=questions)
+        raise Caught
+
+    monkeypatch.setattr(generation, "make_batch", make_batch)
+    tokenizer = smollm2_tokenizer()
+    task = _task("math500")
+    config = {"task": task, "generation": {"sample": False}, "batch_size": 3, "protocol": "prefill"}
+    problems = read_jsonl(data_file(task, data_dir))[:3]
+    with pytest.raises(Caught):
+        solve(torch.nn.Linear(1, 1), tokenizer, None, config, problems, None, None)
+    made = prompts(tokenizer, data_dir, ["math500"], 1024, 3)
+    assert list(made) == ["math500/precalculus/807", "math500/intermediate_algebra/1994", "math500/algebra/2584"]
+    assert [prompt["context"] for prompt in made.values()] == fed["contexts"]
+    assert [prompt["question"] for prompt in made.values()] == fed["questions"]
+    first = made["math500/precalculus/807"]
+    assert first["suffix"] == [] and tokenizer.decode(first["context"]).endswith("<|im_start|>user\n ")
+    assert tokenizer.decode(first["question"]).startswith("Convert the point $(0,3)$")
+    assert tokenizer.decode(first["question"]).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    made_cases = cases({"p": first}, ["decoding_knorm"], [0.25])
+    assert [(case.compressed, case.asked, case.ties) for case in made_cases] == [
+        (first["context"], first["question"], ties) for ties in ("topk", "ordered", "newest")
+    ]

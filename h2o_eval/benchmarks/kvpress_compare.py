@@ -6,20 +6,23 @@ same greedy tokens and logits, and the same KV pairs kept in every layer and KV 
     pip wheel --no-deps fire==0.6.0 -w /tmp/fire && pip install --no-deps --target KVPRESS /tmp/fire/fire-*.whl
     python -m h2o_eval.benchmarks.kvpress_compare --kvpress KVPRESS --data-dir ../shared/data \\
         [--presses observed_attention,lagkv,...] [--ratios 0.25 0.75] [--tasks niah_single_2 vt qa_1] \\
-        [--length 1024] [--new-tokens 16] [--model smollm2-135m]
+        [--length 1024] [--problems 3] [--new-tokens 16] [--model smollm2-135m]
 
 The prompts are RULER documents (``--tasks`` at ``--length`` tokens, generated offline by ``h2o_eval.ruler``),
 worded as kvpress's pipeline words them: the context in the chat template's user turn; the question, the end of the
-turn and the answer prefix after it (the context, the question and the rest tokenized apart). kvpress runs in a
-subprocess whose path holds ``KVPRESS`` and a stub of ``datasets`` (kvpress imports ``load_dataset`` for
-DuoAttention only); torch comes from this environment, the model from the folder h2o_eval converted SmolLM2 into. It
-does what its pipeline does: the press's forward hooks on a prefill of the context into a ``DynamicCache``, then the
-question and greedy steps with ``position_ids`` continuing from the context's length. Query-agnostic presses
-compress the context (h2o_eval's ``protocol=context``); kvpress's query-aware ones (``chunkkv``,
-``entropy_gated_chunkkv``, ``finch``: its leaderboard's ``--query_aware``) compress context and question together
-(``protocol=prefill``). h2o_eval runs the same token ids through ``EvictionCache`` with ``rounding=down`` (kvpress
-keeps int(T (1 - ratio)) tokens) and ``decoding=grow`` (its presses act once). kvpress draws its random sketches
-after ``torch.manual_seed(42)`` before every press, the policies' default seed.
+turn and the answer prefix after it (the context, the question and the rest tokenized apart). A reasoning task in
+``--tasks`` (``math500``, ``aime24``, ``aime25``, ``gsm8k``, read from ``--data-dir``) gives its first
+``--problems`` problems as the ``reasoning`` runner asks them, as kvpress's evaluation does: a context of one space,
+the problem as the question (tokenized with the end of the turn), no answer prefix. kvpress runs in a subprocess
+whose path holds ``KVPRESS`` and a stub of ``datasets`` (kvpress imports ``load_dataset`` for DuoAttention only);
+torch comes from this environment, the model from the folder h2o_eval converted SmolLM2 into. It does what its
+pipeline does: the press's forward hooks on a prefill of the context into a ``DynamicCache``, then the question and
+greedy steps with ``position_ids`` continuing from the context's length. Query-agnostic presses compress the context
+(h2o_eval's ``protocol=context``); kvpress's query-aware ones (``chunkkv``, ``entropy_gated_chunkkv``, ``finch``:
+its leaderboard's ``--query_aware``) compress context and question together (``protocol=prefill``). h2o_eval runs
+the same token ids through ``EvictionCache`` with ``rounding=down`` (kvpress keeps int(T (1 - ratio)) tokens) and
+``decoding=grow`` (its presses act once). kvpress draws its random sketches after ``torch.manual_seed(42)`` before
+every press, the policies' default seed.
 
 Per press, prompt and compression ratio it prints T (the compressed tokens), C (the tokens h2o_eval keeps per KV
 head, averaged), how many (layer, KV head) pairs keep exactly the tokens kvpress keeps (kvpress's kept keys found
@@ -49,10 +52,13 @@ question counts one, as each greedy token), over their scorer's scores, to int(T
 int(seen (1 - ratio)) of the tokens seen so far; kvpress's pipeline runs them in its decoding loop. h2o_eval runs
 ``decoding="interval"`` (:class:`~h2o_eval.policies.Interval`) after the context kept whole (``full``), or
 compressed by the same scorer at the ratio (PrefillDecodingPress). Their greedy tokens go on past the end of the
-answer, so that ``--new-tokens`` past 2 x 8 sees two compressions; ``heads equal`` compares the context's
-compression only. kvpress keeps a compressed cache in ``torch.topk``'s order (by score), and SnapKV pools its
-scores along the cache's order: the decoding presses run three ways, ``topk`` (kvpress as it is), ``ordered``
-(topk's choice, kept in position order) and ``newest`` (ties towards the newest token, in position order).
+answer, so that ``--new-tokens`` past 2 x 8 sees two compressions. ``heads equal`` compares the context's
+compression, then the cache at the end (kvpress's kept keys found among every key its cache was written; not for
+AdaKV), where h2o_eval makes a compression due after the last forward, which kvpress makes within it; C adds what
+the end holds of the tokens fed, and of the generated ones. kvpress keeps a compressed cache in ``torch.topk``'s
+order (by score), and SnapKV pools its scores along the cache's order: the decoding presses run three ways,
+``topk`` (kvpress as it is), ``ordered`` (topk's choice, kept in position order) and ``newest`` (ties towards the
+newest token, in position order).
 AdaKVPress in DecodingPress (``decoding_adakv``, over Knorm; ``decoding_adakv_keydiff``) does not evict: it masks
 what it drops with fake keys written into its cache, which compete again at its next compression, while h2o_eval's
 ``adakv`` evicts them.
@@ -114,8 +120,8 @@ def ruler_prompts(tokenizer: Any, data_dir: Path, tasks: list[str], length: int)
     from h2o_eval import ruler
 
     found = {}
-    for name in tasks:  # the task's config where the package's configs are, installed or editable
-        task = yaml.safe_load((resources.files("h2o_eval.conf") / "task" / f"{name}.yaml").read_text())
+    for name in tasks:
+        task = _task(name)
         task["length"] = length
         [document] = ruler.generate(task, count_tokens=ruler.fit_counter(task, tokenizer), data_dir=data_dir, limit=1)
         asked = document["questions"][0]
@@ -130,6 +136,46 @@ def ruler_prompts(tokenizer: Any, data_dir: Path, tasks: list[str], length: int)
             "suffix": tokenizer.encode(suffix + asked["answer_prefix"], add_special_tokens=False),
         }
     return found
+
+
+def reasoning_prompts(tokenizer: Any, data_dir: Path, tasks: list[str], count: int) -> dict[str, dict[str, list[int]]]:
+    """Per reasoning task (``math500``, ``aime24``, ``aime25``, ``gsm8k``) its first ``count`` problems as token ids,
+    asked as the ``reasoning`` runner asks them (kvpress's evaluation): ``context`` a space in the chat template's user
+    turn, ``question`` the problem with the end of the turn and the assistant header (tokenized together), ``suffix``
+    none. Named ``task/id`` (the task's id field, else the row's number)."""
+    from h2o_eval.data import read_jsonl
+    from h2o_eval.runners.long_context import wrap
+    from h2o_eval.runners.reasoning import data_file
+
+    found = {}
+    for name in tasks:
+        task = _task(name)
+        rows = read_jsonl(data_file(task, data_dir), (task["problem"], task["answer"]))[:count]
+        for number, row in enumerate(rows):
+            asked = {"context": " ", "questions": [{"question": row[task["problem"]], "answer_prefix": ""}]}
+            prompt = wrap(tokenizer, asked)
+            key = str(row[task["id"]]).removeprefix("test/").removesuffix(".json") if task["id"] else number
+            found[f"{name}/{key}"] = {"context": prompt.context_ids, "question": prompt.question_ids[0], "suffix": []}
+    return found
+
+
+def prompts(
+    tokenizer: Any, data_dir: Path, tasks: list[str], length: int, count: int
+) -> dict[str, dict[str, list[int]]]:
+    """:func:`ruler_prompts` of the RULER tasks at ``length`` tokens and :func:`reasoning_prompts` of the reasoning
+    tasks (``count`` problems each), in the order of ``tasks``."""
+    found: dict[str, dict[str, list[int]]] = {}
+    for name in tasks:
+        if _task(name).get("runner") == "reasoning":
+            found |= reasoning_prompts(tokenizer, data_dir, [name], count)
+        else:
+            found |= ruler_prompts(tokenizer, data_dir, [name], length)
+    return found
+
+
+def _task(name: str) -> dict[str, Any]:
+    """A task's config where the package's configs are, installed or editable."""
+    return yaml.safe_load((resources.files("h2o_eval.conf") / "task" / f"{name}.yaml").read_text())
 
 
 def cases(prompts: dict[str, dict[str, list[int]]], presses: list[str], ratios: list[float]) -> list[Case]:
@@ -206,6 +252,8 @@ def h2o_eval_side(model: Any, case: Case, new_tokens: int, stop: int) -> dict[st
     # Re-rotated keys end at the prompt's last token, so the question follows it (kvpress: from the kept count).
     start = len(case.context) if press.rerotated else len(case.compressed)
     tokens, logits = greedy(step, case, start, new_tokens, stop)
+    if press.decoding:  # a compression due after the last forward, which kvpress makes within it
+        cache.prepare_decode()
     return {"kept": kept, "end": _held(cache), "tokens": tokens, "logits": logits}
 
 
@@ -250,7 +298,7 @@ def kvpress_side(folder: str, jobs: list[Case], new_tokens: int, stop: int) -> l
             full_keys[key] = [layer.keys[0] for layer in cache.layers]
         try:
             results.append(_kvpress_case(kvpress, model, case, full_keys[key], new_tokens, stop))
-        except RuntimeError as error:  # kvpress's own failure, reported in the table
+        except (RuntimeError, AssertionError) as error:  # kvpress's own failure (SnapKV: a context under its window)
             results.append({"error": f"{type(error).__name__}: {error}"})
     return results
 
@@ -271,6 +319,7 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     ids = [model.delimiter_id if token == DELIMITER else token for token in case.compressed]
     torch.manual_seed(SEED)
     cache = DynamicCache()
+    fed = _noted(cache)  # every key written, in order: a decoding press's kept positions at the end
     rerotated: dict[int, list[list[int]]] = {}
     prefill = press(model) if spec.decoding in ("", "prefill") else contextlib.nullcontext()
     with torch.no_grad(), _ties(case.ties, in_order=bool(spec.decoding)), _rerotations(kvpress, rerotated), prefill:
@@ -299,7 +348,23 @@ def _kvpress_case(kvpress: Any, model: Any, case: Case, full: list[torch.Tensor]
     with _ties(case.ties, in_order=bool(spec.decoding)), decoding:  # as kvpress's pipeline decodes
         tokens, logits = greedy(step, case, start, new_tokens, stop)
     end = _kept(model, cache, [layer.keys[0] for layer in cache.layers]) if spec.drops else None
+    if spec.decoding and spec.policy != "adakv":  # (AdaKV's fake keys were never fed)
+        end = _kept(model, cache, [torch.cat(fed[layer], dim=1) for layer in range(len(cache.layers))])
     return {"kept": kept, "end": end, "ratio": ratio, "tokens": tokens, "logits": logits}
+
+
+def _noted(cache: Any) -> dict[int, list[torch.Tensor]]:
+    """Notes per layer the keys each ``update`` writes into ``cache`` (batch row 0), in the order they come: the
+    positions fed from 0 one after the other, a key's place among its layer's notes is its position."""
+    fed: dict[int, list[torch.Tensor]] = {}
+    update = cache.update
+
+    def noted(keys: torch.Tensor, values: torch.Tensor, layer: int, *args: Any, **kwargs: Any) -> Any:
+        fed.setdefault(layer, []).append(keys[0])
+        return update(keys, values, layer, *args, **kwargs)
+
+    cache.update = noted
+    return fed
 
 
 def _decoding_press(kvpress: Any, spec: Press, case: Case) -> Any:
@@ -445,7 +510,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--presses", default=",".join(PRESSES), help=f"comma-separated, of {', '.join(PRESSES)}")
     parser.add_argument("--ratios", type=float, nargs="+", default=[0.25, 0.75])
     parser.add_argument("--tasks", nargs="+", default=["niah_single_2", "vt", "qa_1"])
-    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--length", type=int, default=1024, help="the RULER prompts' length in tokens")
+    parser.add_argument("--problems", type=int, default=3, help="the problems of each reasoning task (math500, ...)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--serve", nargs=2, metavar=("JOB", "OUT"), help=argparse.SUPPRESS)
@@ -464,9 +530,14 @@ def main(argv: list[str] | None = None) -> None:
     from h2o_eval import load_model
 
     model, tokenizer = load_model(args.model, device="cpu")
-    jobs = cases(ruler_prompts(tokenizer, args.data_dir, args.tasks, args.length), args.presses.split(","), args.ratios)
+    asked = prompts(tokenizer, args.data_dir, args.tasks, args.length, args.problems)
+    jobs = cases(asked, args.presses.split(","), args.ratios)
     theirs = run_kvpress(args.kvpress, model_folder(args.model), jobs, args.new_tokens, tokenizer.eos_token_id)
-    print(f"{args.model}, kvpress 0.5.5, RULER at {args.length} tokens, {args.new_tokens} greedy tokens")
+    described = ", ".join(
+        f"{name} (its first {args.problems} problems)" if _task(name).get("runner") == "reasoning"
+        else f"RULER {name} at {args.length} tokens" for name in args.tasks
+    )  # fmt: skip
+    print(f"{args.model}, kvpress 0.5.5, {described}, {args.new_tokens} greedy tokens")
     print("| press | prompt | ratio | ties | T | C | heads equal | tokens equal | max logit diff |")
     print("|---|---|---:|---|---:|---:|---:|---|---:|")
     for case, kvpress_result in zip(jobs, theirs, strict=True):
@@ -481,6 +552,13 @@ def main(argv: list[str] | None = None) -> None:
             held = f"{held:g} (ratio {1 - held / len(case.context):.4f}, kvpress {kvpress_result['ratio']:.4f})"
             end = sum(len(head) for layer in mine["end"] for head in layer) / sum(len(layer) for layer in mine["end"])
             held += f", {end:g} at the end" if PRESSES[case.press].drops else ""
+        elif PRESSES[case.press].decoding:  # what the last compressions left, of the tokens fed and generated
+            prompt = len(case.compressed) + len(case.asked)
+            fed = prompt + args.new_tokens - 1
+            pairs = [head for layer in mine["end"] for head in layer]
+            generated = sum(position >= prompt for head in pairs for position in head) / len(pairs)
+            end = sum(len(head) for head in pairs) / len(pairs)
+            held = f"{held:g}; at the end {end:g} of {fed}, {generated:g} of {fed - prompt} generated"
         print(f"| {case.press} | {case.prompt} | {case.ratio} | {case.ties} | {len(case.context)} | {held} | "
               f"{heads} | {equal} | {difference:.2e} |", flush=True)  # fmt: skip
 
