@@ -16,10 +16,13 @@ compiled and the graphs are CUDA's.
 ``--grid`` (float32 only) answers three documents' questions with :func:`~h2o_eval.generation.answering.answer` for
 several cells under both protocols: eagerly, then with graphs, one copy at a time and stacked (``decoding=grow``),
 and one line per setting says how many cells answered exactly as eagerly and one at a time, how many steps were
-replays and how many captures failed. Copies of a cache decode through graphs of their own, and the stack's rows
-leave as their answers end: the paths a single generation does not take. On the CPU its graphs are the emulation
-(``graphs=emulate``, ``kernels=torch``). A float32 difference is a failure (exit status 1). In bfloat16 a rounding may
-break a tie the other way, so differences are shown (``DIFF``) but do not fail.
+replays and how many captures failed; a last line does the same for the reasoning runner's batches, whose rows
+leave as their answers end (:func:`leaving_answers`). Copies of a cache decode through graphs of their own, and the
+rows of a stack or a batch leave as their answers end: the paths a single generation does not take. On the CPU its
+graphs are the emulation (``graphs=emulate``, ``kernels=torch``).
+
+A float32 difference is a failure (exit status 1). In bfloat16 a rounding may break a tie the other way, so
+differences are shown (``DIFF``) but do not fail.
 """
 
 from __future__ import annotations
@@ -194,6 +197,68 @@ def grid_answers(
     return [[fields["tokens"] for _, _, fields in cell.rows] for cell in answers]
 
 
+LEAVING = (("h2o", "evict"), ("tova", "evict"), ("streaming", "evict"), ("knorm", "interval"))
+
+
+def leaving_answers(model: Any, tokenizer: Any, graphs: bool | str, kernels: str) -> list[list[dict]]:
+    """The reasoning runner's batches: three prompts of different lengths under each policy of :data:`LEAVING` at
+    48 tokens (``knorm`` as kvpress's DecodingPress, every 8 forwards), 24 greedy new tokens, each row leaving the
+    batch as its answer ends (``run_batch(leaving=True)``); per policy, each row's fields (tokens, kept entries)."""
+    from h2o_eval.generation import GenerationLog, greedy, make_batch, run_batch
+    from h2o_eval.policies import Interval, make_policy
+
+    generator = torch.Generator().manual_seed(2)
+    device = next(model.parameters()).device
+    prompts = [torch.randint(1000, model.config.vocab_size, (n,), generator=generator).tolist() for n in (40, 57, 66)]
+    batch = make_batch(prompts, [[] for _ in prompts], tokenizer.pad_token_id, device, split=False)
+    found = []
+    for name, decoding in LEAVING:
+        interval = Interval(compression_interval=8, target_size=48) if decoding == "interval" else None
+        with torch.no_grad():
+            found.append(run_batch(
+                model, make_policy(name, budget=48), batch, GenerationLog(24), tokenizer, protocol="prefill",
+                kernels=kernels, decoding=decoding, graphs=graphs, interval=interval, leaving=True,
+                **greedy(24, tokenizer.pad_token_id),
+            ))  # fmt: skip
+    return found
+
+
+def ending_tokens(rows: list[list[dict]]) -> list[int]:
+    """Two tokens the first policy's rows generate (free of any end), at which its rows end at different steps."""
+    free = [row["tokens"] for row in rows[0]]
+    return next(
+        [free[0][a], free[1][b]]
+        for a in range(2, 20)
+        for b in range(a + 2, 22)
+        if len({next((i for i, t in enumerate(tokens) if t in (free[0][a], free[1][b])), None) for tokens in free}) > 1
+    )
+
+
+def leaving_check(model: Any, tokenizer: Any, model_name: str, graphs: bool | str, kernels: str, captures: bool) -> int:
+    """One line: the reasoning runner's batches, rows leaving at end tokens chosen so that they leave at different
+    steps, with graphs against eager (tokens and kept entries per row); 1 when they differ, else 0."""
+    eos = model.generation_config.eos_token_id
+    try:
+        model.generation_config.eos_token_id = None
+        model.generation_config.eos_token_id = ending_tokens(leaving_answers(model, tokenizer, False, kernels))
+        eager = leaving_answers(model, tokenizer, False, kernels)
+        with warnings.catch_warnings(record=True) as caught, counting_replays() as replays:
+            warnings.simplefilter("always")
+            graphed = leaving_answers(model, tokenizer, graphs, kernels)
+    finally:
+        model.generation_config.eos_token_id = eos
+    failed = sum("decode steps run eagerly" in str(warning.message) for warning in caught)
+    equal = sum(a == b for a, b in zip(graphed, eager, strict=True))
+    lengths = sorted({len(row["tokens"]) for rows in eager for row in rows})
+    ok = equal == len(eager) and (replays[0] > 0 or not captures) and not failed
+    print(
+        f"{'ok  ' if ok else 'DIFF'} leaving {model_name} float32: {equal} of {len(eager)} policies' rows (lengths "
+        f"{lengths}) as eagerly; {replays[0]} replays, {failed} failed captures",
+        flush=True,
+    )
+    return int(not ok)
+
+
 def grid_check(models: Sequence[str], device: str, policies: Sequence[str] | None = None) -> int:
     """Print one line per model and setting of :data:`GRID_SETTINGS` with graphs; returns how many differ."""
     from h2o_eval.attention import layer_windows
@@ -224,6 +289,7 @@ def grid_check(models: Sequence[str], device: str, policies: Sequence[str] | Non
                 f"{failed} failed captures",
                 flush=True,
             )
+        failures += leaving_check(model, tokenizer, model_name, graphs, kernels, captures)
     return failures
 
 
