@@ -177,10 +177,11 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
         for policy, config in cells:
             peak = PeakMemory(device)
             evaluations.append(runner.evaluate(model, tokenizer, policy, config))
-            if (reference := runner.reference(config)) is not None:
-                stored = results.stored_outputs(config["results_dir"], reference)
-                runner.compare(model, tokenizer, config, evaluations[-1], stored)
             peaks.append(peak.read())
+    for (_, config), evaluation in zip(cells, evaluations, strict=True):
+        if (reference := runner.reference(config)) is not None:
+            stored = results.stored_outputs(config["results_dir"], reference)
+            runner.compare(model, tokenizer, config, evaluation, stored)
     seconds = (time.perf_counter() - loaded) / len(cells)
     cpu = (time.process_time() - loaded_cpu) / len(cells)
     for evaluation, peak in zip(evaluations, peaks, strict=True):
