@@ -212,11 +212,11 @@ class ReasoningRunner(Runner):
             "n_samples": len(outputs),
             **log.fields(),
         }
+        lengths = [o["generated_tokens"] for o in outputs]
         for output in outputs:  # the length in tokens, read as a score: its mean, paired tests and plots per run
-            output["scores"]["generated_tokens"] = float(len(output["token_ids"]))
+            output["scores"]["generated_tokens"] = float(output["generated_tokens"])
         fields["metric"] = "accuracy"
-        fields["metrics"]["generated_tokens"] = statistics.fmean(o["scores"]["generated_tokens"] for o in outputs)
-        lengths = [len(o["token_ids"]) for o in outputs]
+        fields["metrics"]["generated_tokens"] = statistics.fmean(lengths)
         fields["generation"] |= {
             "generated_tokens_median": statistics.median(lengths),
             "hit_max_new_tokens": statistics.fmean(length >= task["max_new_tokens"] for length in lengths),
@@ -235,13 +235,13 @@ class ReasoningRunner(Runner):
         self, model: Any, tokenizer: Any, config: Mapping[str, Any], evaluation: Evaluation, stored: list[dict] | None
     ) -> None:
         """The agreement with the full cache (see the module): its solutions from its record's outputs (``stored``,
-        where they hold every problem's tokens), from this run's own (the full cache's run), or generated once in
-        this process."""
+        the same problems, the limit being identity; where they hold their tokens), from this run's own (the full
+        cache's run), or generated once in this process."""
         outputs = evaluation.outputs
         if config["policy"]["name"] == "full":
             full = outputs
-        elif stored is not None and len(stored) >= len(outputs) and all("token_ids" in row for row in stored):
-            full = stored[: len(outputs)]
+        elif stored is not None and all("token_ids" in row for row in stored):
+            full = stored
         else:
             full = full_solutions(model, tokenizer, config)
         fields = evaluation.fields
@@ -334,7 +334,7 @@ def pass_at_k(outputs: list[dict], samples: int) -> dict[str, float]:
     for output in outputs:
         correct.setdefault(output["id"], []).append(output["scores"])
     metrics = {}
-    for k in [2**i for i in range(samples.bit_length()) if 2**i <= samples]:
+    for k in [2**i for i in range(samples.bit_length())]:
         for score in ("accuracy", "math_verify"):
             metrics[f"{score}_pass@{k}"] = statistics.fmean(
                 pass_at(samples, int(sum(s[score] for s in rows)), k) for rows in correct.values()
