@@ -2,9 +2,10 @@
 # Every command behind results/reasoning/ (issue 71: reasoning under decode-time eviction). Records go to RECORDS
 # (default results/reasoning/records, committed). Resumable: a cell whose record exists is skipped.
 #   bash results/reasoning.sh [DATA_DIR] [RECORDS] [STAGE ...]
-# Each board stage is one process of one thread; on a 2-core machine run the two models side by side, then tables:
-#   bash results/reasoning.sh ../shared/data results/reasoning/records smollm2 &
-#   bash results/reasoning.sh ../shared/data results/reasoning/records gemma
+# Each board stage is one process of one thread; on a 2-core machine run two side by side (TASK=math500 or gsm8k runs
+# one task of a stage), then tables:
+#   TASK=math500 bash results/reasoning.sh ../shared/data results/reasoning/records gemma &
+#   TASK=gsm8k bash results/reasoning.sh ../shared/data results/reasoning/records gemma
 #   bash results/reasoning.sh ../shared/data results/reasoning/records tables
 # Stages:
 #   smollm2   +experiment=reasoning for SmolLM2-135M: MATH-500 and GSM8K, LIMIT problems (default the preset's 10)
@@ -19,7 +20,7 @@ stages=${*:-smollm2 gemma tables}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
 export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
 board() {
-    python -m h2o_eval.grid +experiment=reasoning model="$1" ${LIMIT:+limit=$LIMIT} data_dir="$data" \
+    python -m h2o_eval.grid +experiment=reasoning model="$1" ${LIMIT:+limit=$LIMIT} ${TASK:+task=$TASK} data_dir="$data" \
         results_dir="$out" wandb.mode=disabled threads=1
 }
 smollm2() { board smollm2-135m; }
