@@ -67,6 +67,39 @@ def resolve_interval(policy: Policy, decoding: str, interval: Interval | None) -
     return interval
 
 
+@dataclasses.dataclass(frozen=True)
+class Statistics:
+    """What a run's logs read of a cache that has answered (:meth:`~h2o_eval.generation.log.GenerationLog.add`,
+    :meth:`~h2o_eval.capacity.CapacityLog.add`), taken from it by :meth:`EvictionCache.statistics` so that the cache
+    can be let go before it answers: a stacked cell's compressed cache is freed while the stack's view of it decodes,
+    and the view's growth is counted by :meth:`grown`. ``held_most``: the most entries a (sequence, KV head) of a
+    layer that is not sliding held."""
+
+    lengths: list[int]
+    capacities: list[torch.Tensor]
+    allocated_bytes: int
+    one_entry_bytes: int
+    num_layers: int
+    kv_heads: int
+    peak_entries: int
+    graphs: DecodeGraphs | None
+    held_most: int
+
+    def realised(self) -> list[torch.Tensor]:
+        return self.capacities
+
+    def kv_bytes(self) -> int:
+        return self.allocated_bytes
+
+    def entry_bytes(self) -> int:
+        return self.one_entry_bytes
+
+    def grown(self, fed: int) -> Statistics:
+        """These statistics once ``fed`` more tokens per sequence were fed under ``decoding=grow``: every one takes a
+        new slot in each layer that is not sliding (a sliding layer never holds more than it held already)."""
+        return dataclasses.replace(self, peak_entries=max(self.peak_entries, self.held_most + fed))
+
+
 class EvictionCache(Cache):
     """A transformers ``Cache`` that holds at most C entries per (sequence, layer, KV head).
 
@@ -318,12 +351,19 @@ class EvictionCache(Cache):
 
         return StackedCache([cache.grown_view() for cache in caches])
 
-    def grown_peak(self, fed: int) -> int:
-        """The peak entries of this compressed cache under ``decoding=grow`` once ``fed`` more tokens per sequence
-        were fed: every one takes a new slot in each layer that is not sliding (a sliding layer never holds more
-        than it held already)."""
-        most = max(int(layer.held.sum(-1).max()) for layer in self.layers if layer.window is None)
-        return max(self.peak_entries, most + fed)
+    def statistics(self) -> Statistics:
+        """What a run's logs read of this cache, taken now (:class:`Statistics`)."""
+        return Statistics(
+            lengths=list(self.lengths),
+            capacities=self.realised(),
+            allocated_bytes=self.kv_bytes(),
+            one_entry_bytes=self.entry_bytes(),
+            num_layers=self.num_layers,
+            kv_heads=self.kv_heads,
+            peak_entries=self.peak_entries,
+            graphs=self.graphs,
+            held_most=max(int(layer.held.sum(-1).max()) for layer in self.layers if layer.window is None),
+        )
 
     # -- decode steps as CUDA graphs (h2o_eval.graphs) -------------------------------------------------------------
 

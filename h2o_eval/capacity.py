@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from h2o_eval.cache import EvictionCache
+    from h2o_eval.cache import EvictionCache, Statistics
 
 
 class CapacityLog:
@@ -22,7 +22,7 @@ class CapacityLog:
         self.entries: list[float] = []  # per sequence: KV entries kept, summed over layers and KV heads
         self.entry_bytes = 0
 
-    def add(self, cache: EvictionCache) -> list[float]:
+    def add(self, cache: EvictionCache | Statistics) -> list[float]:
         """Log every sequence of a cache that has seen its prompt; returns each one's C (mean over layers and KV
         heads)."""
         per_layer = cache.realised()

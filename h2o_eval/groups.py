@@ -94,13 +94,13 @@ class StackedCache(Cache):
 
     def rows(self, keep: list[int]) -> StackedCache:
         """These caches' sequences ``keep`` (increasing indices over the stack) stacked again, to go on with those
-        alone: each view keeps its own of them (:meth:`~h2o_eval.cache.EvictionCache.fork`), and a view none of
-        whose sequences is kept leaves."""
+        alone: a view that keeps all its sequences goes on as it is (this stack is not fed again), one that keeps
+        some goes on as a :meth:`~h2o_eval.cache.EvictionCache.fork` of them, and one that keeps none leaves."""
         views, start = [], 0
         for view in self.views:
             count = len(view.lengths)
             if own := [row - start for row in keep if start <= row < start + count]:
-                views.append(view.fork(own))
+                views.append(view if len(own) == count else view.fork(own))
             start += count
         return StackedCache(views)
 

@@ -3,10 +3,12 @@ cells answer as separate runs, and ``python -m h2o_eval.grid`` writes the record
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -166,8 +168,9 @@ def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, 
     (protocol=context, decoding=grow; one document's two questions, each answered from stacked copies).
     Answers, capacities, kept entries, generated tokens, the KV peak and the full cache's entries (each cell's
     generation as long as it would have run alone, though the batch runs on for other cells' rows) are the
-    separate runs'; the generations really ran stacked, two per question and no other. tiny-gemma3 has sliding
-    layers, stacked as they are."""
+    separate runs'; the generations really ran stacked, two per question and no other, and the caches each stack
+    was made of were freed before it decoded (its views hold what they held). tiny-gemma3 has sliding layers,
+    stacked as they are."""
     settings = {"model": name, "task": "niah_single_1", "limit": 1, "batch_size": 1, "decoding": "grow"}
     settings |= {"task.length": 600, "task.max_new_tokens": 8, "task.questions": 2, "protocol": "context"}
     cells = POLICIES[1:] + [("full", 1.0), ("kvzip", 0.3), ("expected_attention", 0.2), ("oracle", 0.3)]
@@ -182,19 +185,27 @@ def test_stacked_cells_answer_as_separate_runs(data_dir, tmp_path, monkeypatch, 
     separate = [RUNNER.evaluate(model, tokenizer, configured_policy(c), c) for c in configs]
     lengths = {o["generated_tokens"] for one in separate for o in one.outputs}
     assert len(lengths) > 1 and max(lengths) == 8, "answers should stop at different steps, or this proves little"
-    batches, calls = [], []
-    leaving, decode = generation.passes.decode_leaving, generation.passes.decode
+    batches, calls, made, freed = [], [], [], []
+    leaving, decode, stack = generation.passes.decode_leaving, generation.passes.decode, EvictionCache.stack.__func__
 
     def stacked(model, cache, ids, *args, **kwargs):
         batches.append(len(ids))
+        gc.collect()
+        freed.append(all(ref() is None for ref in made[-1]))
         return leaving(model, cache, ids, *args, **kwargs)
 
+    def remembered(cls, caches):
+        made.append([weakref.ref(cache) for cache in caches])
+        return stack(cls, caches)
+
+    monkeypatch.setattr(EvictionCache, "stack", classmethod(remembered))
     monkeypatch.setattr("h2o_eval.generation.answering.decode_leaving", stacked)
     monkeypatch.setattr(
         "h2o_eval.generation.passes.decode", lambda m, c, i, *a, **k: calls.append(len(i)) or decode(m, c, i, *a, **k)
     )
     shared = RUNNER.evaluate_shared(model, tokenizer, [(configured_policy(c), c) for c in configs])
     assert batches == [len(cells) - 1, 2] * 2, "per question, the others and a full copy, then the oracle's cells"
+    assert freed == [True] * 4, "the caches a stack is made of should be freed while it decodes (its views hold them)"
     assert len(calls) > len(batches) and calls[1] < calls[0], "rows should have left the batch as their answers ended"
     answers = set()
     keys = ("id", "prediction", "capacity", "generated_tokens", "scores", "kv_entries", "prompt_tokens")
@@ -274,6 +285,24 @@ def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate
     leaving = generation.passes.decode_leaving(model, stacked(), ids, torch.ones_like(ids), **settings)
     assert torch.equal(leaving, carried[:, : leaving.shape[1]]) and (carried[:, leaving.shape[1] :] == 0).all()
     assert len(calls) >= 2 and calls == sorted(calls, reverse=True) and calls[-1] < len(ids)
+
+
+def test_a_stack_going_on_with_some_rows_copies_only_the_caches_that_lose_rows():
+    """StackedCache.rows: a view that keeps all its rows goes on as it is (no copy while rows leave), one that keeps
+    some goes on as a copy of those rows alone, one that keeps none leaves."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(5, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    caches = []
+    for budget in (0.3, 0.5, 0.7):
+        caches.append(EvictionCache(model, make_policy("h2o", budget=budget), protocol="context", decoding="grow"))
+        with torch.no_grad():
+            model(ids, cache=caches[-1], use_cache=True)
+    stacked = EvictionCache.stack(caches)
+    kept = stacked.rows([0, 1, 3])
+    assert kept.views[0] is stacked.views[0] and len(kept.views) == 2 and kept.lengths == [40, 40, 40]
+    assert kept.views[1] is not stacked.views[1] and len(kept.views[1].lengths) == 1
+    held = [layer.held for layer in stacked.views[1].layers]
+    assert all(torch.equal(a.held, b[1:]) for a, b in zip(kept.views[1].layers, held, strict=True))
 
 
 def test_only_compressed_caches_that_evict_nothing_more_and_saw_the_same_tokens_are_stacked():
@@ -573,14 +602,14 @@ def test_the_leaderboard_preset_sweeps_rulers_tasks_in_kvpress_protocol(data_dir
 @pytest.mark.parametrize(("preset", "questions"), [("kv_leaderboard", 1), ("kv_leaderboard_shared", 4)])
 def test_the_leaderboard_presets_name_their_questions_per_context_and_take_16_and_32_to_1(data_dir, preset, questions):
     """kvpress's protocol asks one question per context; the shared-context one four. Both take the ratios 0.9375 and
-    0.96875 (budgets 0.0625 and 0.03125), where methods that look alike at 0.875 part."""
+    0.96875 (budgets 0.0625 and 0.03125), where methods that look alike at 0.875 part, and stack their cells."""
     from h2o_eval.grid import compose
 
     for budget in (0.0625, 0.03125):
         config = validate(compose([f"+experiment={preset}", "model=smollm2-135m", "task=niah_single_2",
                                    "policy=snapkv", f"budget={budget}", f"data_dir={data_dir}"])).config  # fmt: skip
         assert (config["task"]["questions"], config["budget"], config["protocol"]) == (questions, budget, "context")
-        assert (config["decoding"], config["rounding"]) == ("grow", "down")
+        assert (config["decoding"], config["rounding"], config["stack_cells"]) == ("grow", "down", True)
 
 
 def test_the_grid_takes_as_many_documents_a_batch_as_its_cells_full_caches_fit_in_half_the_memory(

@@ -247,8 +247,9 @@ class _Answering:
         seconds = {i: share + settled[i] for i in caches}
         for position, (rows, batch, units) in enumerate(batches):
             last = position == len(batches) - 1 and len(rows) == documents
-            full = [caches[asking[0]].fork(rows).full_copy()] if asking else []
-            forks = [caches[i] if last else caches[i].fork(rows) for i in plain] + full
+            forks = [caches.pop(i) if last else caches[i].fork(rows) for i in plain]
+            if asking:
+                forks.append(caches[asking[0]].fork(rows).full_copy())
             sequences, spent, full_cpu = self._decode_stacked(forks, plain, batch, units, seconds, cpu)
             if not asking:
                 continue
@@ -259,13 +260,12 @@ class _Answering:
             compressed = []
             for i in asking:  # one uncompressed copy of the context at a time
                 began = time.perf_counter()
-                fork = caches[i].fork(rows)
+                compressed.append(caches[i].fork(rows))
                 with cpu_into(cpu[i], "scoring"):
                     settle(
-                        self.model, fork, self.tokenizer, batch.input_ids[:, :width], batch.attention_mask[:, :width],
-                        questions, answered=self.answered, **self.greedy,
+                        self.model, compressed[-1], self.tokenizer, batch.input_ids[:, :width],
+                        batch.attention_mask[:, :width], questions, answered=self.answered, **self.greedy,
                     )  # fmt: skip
-                compressed.append(fork)
                 seconds[i] += spent / len(asking) + time.perf_counter() - began
                 for part, value in full_cpu.items():
                     cpu[i][part] += value / len(asking)
@@ -277,28 +277,23 @@ class _Answering:
         """Decode ``batch`` through ``forks`` stacked, the first of which are ``cells``' copies, a row leaving the
         batch when its answer ends (:func:`~h2o_eval.generation.passes.decode_leaving`): each of those keeps its
         rows, cut to the steps its own generation would have run, and the peak its cache would have reached.
-        Returns every fork's sequences, and the decoding time and CPU seconds by part per fork."""
-        began, decoded = time.perf_counter(), cpu_parts()
-        ids, mask = batch.input_ids.repeat(len(forks), 1), batch.attention_mask.repeat(len(forks), 1)
-        sequences = self._generate_stacked(forks, Batch(ids, mask, batch.context_width), decoded)
-        spent, each = (time.perf_counter() - began) / len(forks), shared(decoded, len(forks))
+        ``forks`` is emptied: the stack holds them alone, so what a view outgrows is freed (their statistics are
+        taken first). Returns every fork's sequences, and the decoding time and CPU seconds by part per fork."""
+        began, decoded, count = time.perf_counter(), cpu_parts(), len(forks)
+        kept = [fork.statistics() for fork in forks[: len(cells)]]
+        ids, mask = batch.input_ids.repeat(count, 1), batch.attention_mask.repeat(count, 1)
+        sequences = decode_leaving(
+            self.model, stack_taking(forks), ids, mask, cpu=decoded, tokenizer=self.tokenizer, **self.greedy
+        )  # nothing but decode_leaving holds the stack, so each stack it leaves behind is freed
+        spent, each = (time.perf_counter() - began) / count, shared(decoded, count)
         width, question, rows = ids.shape[1], ids.shape[1] - batch.context_width, batch.input_ids.shape[0]
-        own = [sequences[c * rows : (c + 1) * rows] for c in range(len(forks))]
-        for i, fork, sequence in zip(cells, forks, own, strict=False):
+        own = [sequences[c * rows : (c + 1) * rows] for c in range(count)]
+        for i, statistics, sequence in zip(cells, kept, own, strict=False):
             cut = sequence[:, : width + steps(self.model, sequence, width)]
-            fork.peak_entries = fork.grown_peak(question + cut.shape[1] - width - 1)
-            self._keep(i, batch, cut, fork, seconds[i] + spent, units, {k: v + each[k] for k, v in cpu[i].items()})
+            grown = statistics.grown(question + cut.shape[1] - width - 1)
+            self._keep(i, batch, cut, grown, seconds[i] + spent, units, {k: v + each[k] for k, v in cpu[i].items()})
             seconds[i], cpu[i] = 0.0, cpu_parts()
         return own, spent, each
-
-    def _generate_stacked(self, forks: list, batch: Batch, cpu: dict[str, float]) -> torch.Tensor:
-        """``batch`` (every fork's rows, their contexts fed and compressed) through ``forks`` stacked, a row leaving
-        as its answer ends: nothing but :func:`~h2o_eval.generation.passes.decode_leaving` holds the stack, so each
-        stack it leaves behind is freed."""
-        ids, mask = batch.input_ids, batch.attention_mask
-        return decode_leaving(
-            self.model, EvictionCache.stack(forks), ids, mask, cpu=cpu, tokenizer=self.tokenizer, **self.greedy
-        )
 
     def prompts(self, members: list[int], protocol: str) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
@@ -336,3 +331,11 @@ class _Answering:
             for i in members:
                 cache = caches.pop(i)
                 self._answer(i, cache, extended, share, chunk, dict(each), batch)
+
+
+def stack_taking(forks: list[EvictionCache]) -> Any:
+    """``forks`` stacked (:meth:`~h2o_eval.cache.EvictionCache.stack`), the list emptied: the stack's views then
+    hold what they held alone."""
+    stack = EvictionCache.stack(forks)
+    forks.clear()
+    return stack

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from h2o_eval.cache import EvictionCache
+from h2o_eval.cache import EvictionCache, Statistics
 from h2o_eval.capacity import CapacityLog
 from h2o_eval.generation.batches import Batch, new_tokens
 
@@ -133,7 +133,7 @@ class GenerationLog:
         self,
         batch: Batch,
         sequences: torch.Tensor,
-        cache: EvictionCache,
+        cache: EvictionCache | Statistics,
         seconds: float,
         ends: set[int],
         cpu: Mapping[str, float] | None = None,
