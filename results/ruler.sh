@@ -90,11 +90,11 @@ board() {  # board MODEL HAYSTACKS BATCH [OVERRIDE...]: 4 questions per haystack
     done
 }
 leaderboard() {
-    # The cells decode together (stack_cells): Gemma's answers run to 128 tokens, and SmolLM2's to about 120 on
+    # The cells decode together (the preset's stack_cells): Gemma's answers run to 128 tokens, and SmolLM2's to about 120 on
     # niah_multivalue, niah_multiquery and cwe (its niah_single_1/_2 and niah_multikey_1/_2, whose answers end
     # after about 9 tokens, ran one cell at a time: the same answers up to float rounding).
-    board smollm2-135m 10 2 stack_cells=true
-    board gemma3-270m 5 1 stack_cells=true
+    board smollm2-135m 10 2
+    board gemma3-270m 5 1
 }
 leaderboard_1q() {
     # kvpress's protocol (+experiment=kv_leaderboard, one question per context) beside the shared-context one:
@@ -118,7 +118,7 @@ leaderboard_1q() {
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
             # shellcheck disable=SC2086  # a group is several overrides
             grid +experiment=kv_leaderboard model=smollm2-135m task="$task" limit="${ONE_LIMIT:-40}" batch_size=1 \
-                $group stack_cells=true results_dir="$out/leaderboard_1q"
+                $group results_dir="$out/leaderboard_1q"
         done
     done
 }
@@ -136,7 +136,7 @@ board_1q() {
         for group in "${groups[@]}"; do
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
             grid +experiment=kv_leaderboard model=smollm2-135m task="$task" limit="${ONE_LIMIT:-40}" batch_size=1 \
-                policy="$group" stack_cells=true results_dir="$out/leaderboard_1q"
+                policy="$group" results_dir="$out/leaderboard_1q"
         done
     done
 }
