@@ -4,6 +4,7 @@ is checked after, by :func:`h2o_eval.run.validate`."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,18 @@ ON_ERROR = ("stop", "skip")  # a sweep's or grid's invalid jobs: stop before any
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def budget_value(text: str) -> float | int:
+    """A budget as a command line's argument reads one: an integer is a number of tokens, a decimal a fraction (1.0:
+    everything)."""
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: use a fraction in (0, 1] or a number of tokens") from None
 
 
 def check_budget(budget: Any, rounding: Any) -> None:

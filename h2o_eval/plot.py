@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import plot_needle
+from h2o_eval.checks import budget_value
 from h2o_eval.reports.figures import write_figures
 from h2o_eval.reports.headline import headline_markdown, long_context, write_headline
 from h2o_eval.reports.leaderboards import write_leaderboards
@@ -62,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", nargs="*", help="only these models")
     parser.add_argument("--metric", help="metric to plot (default: the record's, else acc)")
     parser.add_argument("--out", type=Path, help="output folder (default: <results_dir>/plots)")
-    parser.add_argument("--at", type=float, nargs="*", help="also tables of the policies side by side at these budgets")
+    parser.add_argument(
+        "--at", type=budget_value, nargs="*", help="also tables of the policies side by side at these budgets"
+    )
     parser.add_argument("--wandb-group", help="also log the figures and table to W&B, in this group")
     parser.add_argument("--wandb-project", default="h2o_eval")
     parser.add_argument("--wandb-mode", default="offline", choices=["offline", "online"])

@@ -27,7 +27,7 @@ smollm2() { board smollm2-135m; }
 gemma() { board gemma3-270m; }
 tables() {
     for metric in accuracy math_verify agreement generated_tokens; do
-        python -m h2o_eval.plot "$out" --metric "$metric" --out "results/reasoning/$metric"
+        python -m h2o_eval.plot "$out" --metric "$metric" --out "results/reasoning/$metric" --at 128 256 512
     done
     python -m h2o_eval.plot "$out" --out results/reasoning --provenance
 }

@@ -92,6 +92,24 @@ def test_side_by_side_puts_each_policy_and_protocol_of_one_budget_beside_the_ful
     assert "0.600 ± 0.050" in (tmp_path / "plots" / "at_0.1.md").read_text()
 
 
+def test_side_by_side_at_a_token_budget_names_a_task_setting_with_the_task_not_the_policy(tmp_path):
+    """The reasoning board gives one model longer solutions (``task.max_new_tokens``): at a budget in tokens
+    (``--at 128``, not 12,800 %), each policy is one column, and the task's setting names a row of its own."""
+    longer = {"task.max_new_tokens": 1024}
+    records = [fake_record("gsm8k", "full", 1.0, 0.8), fake_record("gsm8k", "h2o", 128, 0.3)]
+    records += [fake_record("gsm8k", "tova", 128, 0.2), fake_record("gsm8k", "h2o", 256, 0.5)]
+    records += [fake_record("gsm8k", "full", 1.0, 0.9, settings=longer)]
+    records += [fake_record("gsm8k", "h2o", 128, 0.4, settings=longer)]
+    for number, record in enumerate(records):
+        results.write_record(tmp_path / f"r{number}.json", record)
+    plot.main([str(tmp_path), "--out", str(tmp_path / "plots"), "--at", "128"])
+    lines = (tmp_path / "plots" / "at_128.md").read_text().splitlines()
+    assert lines[0] == "Budget 128 tokens:"
+    assert lines[2] == "| task | model | metric | n | full | h2o (simulate) | tova (simulate) |"
+    assert "| gsm8k | tiny-llama | acc | 10 | 0.800 ± 0.050 | 0.300 ± 0.050 | 0.200 ± 0.050 |" in lines
+    assert "| gsm8k (task.max_new_tokens=1024) | tiny-llama | acc | 10 | 0.900 ± 0.050 | 0.400 ± 0.050 |  |" in lines
+
+
 def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
     out = tmp_path / "plots"
     plot.main([str(results_dir), "--task", "copa", "--out", str(out)])

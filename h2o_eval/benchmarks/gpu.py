@@ -52,6 +52,7 @@ import torch
 from transformers import LogitsProcessor
 
 from h2o_eval.benchmarks.decode_speed import kv_bytes
+from h2o_eval.checks import budget_value
 from h2o_eval.errors import ConfigError
 
 DEFAULT_POLICIES = ("h2o", "tova", "streaming", "snapkv")
@@ -438,17 +439,6 @@ def check(args: argparse.Namespace) -> list[Setting]:
     return plain + [Setting(name, policy, graphs) for name, policy in policies.items() for graphs in modes]
 
 
-def budget(text: str) -> float | int:
-    """A budget as the CLI reads one: an integer is a number of tokens, a decimal a fraction (1.0: everything)."""
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: use a fraction in (0, 1] or a number of tokens") from None
-
-
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m h2o_eval.benchmarks.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="shape-llama-3-8b", help="registry name (default: %(default)s)")
@@ -456,7 +446,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768], help="prompt tokens")
     parser.add_argument("--batch", nargs="+", default=["1"], help="batch sizes, or max: each setting's largest")
     parser.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES))
-    parser.add_argument("--budget", type=budget, default=0.2, help="a fraction of the prompt (0.2), or tokens (512)")
+    parser.add_argument(
+        "--budget", type=budget_value, default=0.2, help="a fraction of the prompt (0.2), or tokens (512)"
+    )
     parser.add_argument("--decoding", default="evict", help="after the compression: evict (the policy's) or grow")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; rows give their median")

@@ -70,6 +70,9 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "method": record["policy"],
             "threshold": _threshold_curve(record, departures),
             "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
+            "task_settings": tuple(text for key, text in departures.items() if _task_setting(key)),
+            "policy_in_task": record["policy"]
+            + _departures_label(text for key, text in _threshold(record, departures).items() if not _task_setting(key)),
             "shared": tuple(shared),
             "budget": record["budget"],
             "kept": kept_share(record),
@@ -128,6 +131,12 @@ def _threshold_curve(record: dict[str, Any], departures: dict[str, str]) -> str 
         return None
     others = (text for key, text in departures.items() if key not in ("policy.threshold", "threshold"))
     return record["policy"] + _departures_label([*others, "threshold"])
+
+
+def _task_setting(key: str) -> bool:
+    """A departure that is the task's setting (``task.max_new_tokens``) rather than the policy's: the side-by-side
+    table names it with the task. Questions per context stay with the policy (:func:`policies_per_task`)."""
+    return key.startswith("task.") and key != "task.questions"
 
 
 def _departures_label(texts: Collection[str]) -> str:
@@ -217,11 +226,17 @@ def limit_label(limit: int | float | None) -> str:
 def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
     """A Markdown table with a row per (task, model) and a column per policy (and protocol) at ``budget``,
     beside the full cache: the comparison a budget is chosen for. Values are ``value ± stderr``; a setting
-    that has no record is left empty. Records of a task scored on different ``limit``s get a row each."""
-    columns = sorted({(r["policy"], r["protocol"]) for r in rows if r["method"] != "full" and r["budget"] == budget})
-    keys = sorted({(r["task"], r["model"], r["limit"]) for r in rows}, key=lambda k: (*k[:2], limit_order(k[2])))
-    cell = {(r["task"], r["model"], r["limit"], r["policy"], r["protocol"]): r for r in rows if r["budget"] == budget}
-    full = {(r["task"], r["model"], r["limit"]): r for r in rows if r["method"] == "full"}
+    that has no record is left empty. Records of a task scored on different ``limit``s, or under different settings
+    of the task (``task.max_new_tokens=1024``, named with it), get a row each."""
+    at = [r for r in rows if r["budget"] == budget]
+    columns = sorted({(r["policy_in_task"], r["protocol"]) for r in at if r["method"] != "full"})
+
+    def key(r: dict[str, Any]) -> tuple:
+        return r["task"], r["task_settings"], r["model"], r["limit"]
+
+    keys = sorted({key(r) for r in rows}, key=lambda k: (*k[:3], limit_order(k[3])))
+    cell = {(*key(r), r["policy_in_task"], r["protocol"]): r for r in at}
+    full = {key(r): r for r in rows if r["method"] == "full"}
     mixed = mixed_limits(rows)
 
     def show(r: dict[str, Any] | None) -> str:
@@ -231,12 +246,16 @@ def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
 
     header = ["task", "model", "metric", "n", "full", *(f"{p} ({protocol})" for p, protocol in columns)]
     lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|" + "---:|" * (len(columns) + 1)]
-    for task, model, limit in keys:
-        some = next(r for r in rows if (r["task"], r["model"], r["limit"]) == (task, model, limit))
-        values = [show(full.get((task, model, limit))), *(show(cell.get((task, model, limit, *c))) for c in columns)]
+    for task, settings, model, limit in keys:
+        some = next(r for r in rows if key(r) == (task, settings, model, limit))
+        values = [show(full.get((task, settings, model, limit)))]
+        values += [show(cell.get((task, settings, model, limit, *c))) for c in columns]
         name = f"{model} ({limit_label(limit)})" if task in mixed else model
-        lines.append(f"| {task} | {name} | {some['metric']} | {some['n_samples']} | " + " | ".join(values) + " |")
-    return f"Budget {percent(budget)} of the cache:\n\n" + "\n".join(lines) + "\n"
+        label = task + _departures_label(settings)
+        lines.append(f"| {label} | {name} | {some['metric']} | {some['n_samples']} | " + " | ".join(values) + " |")
+    return (
+        f"Budget {percent(budget)}{'' if isinstance(budget, int) else ' of the cache'}:\n\n" + "\n".join(lines) + "\n"
+    )
 
 
 def setting_key(row: dict[str, Any]) -> tuple:
