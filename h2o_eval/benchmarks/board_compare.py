@@ -15,7 +15,7 @@ different lengths need flash attention, absent on a CPU) is left out of its time
 
 Prints, per round, the CPU seconds per document and cell of each side (the grid's from its records'
 ``cpu_seconds``, which leave the model's load out; kvpress's around its pipeline calls), their ratio, and how many
-of the cells both ran give the same predictions on every document.
+of the cells both ran give the same predictions on every document (naming those that do not).
 """
 
 from __future__ import annotations
@@ -169,11 +169,12 @@ def main() -> None:
         theirs_seconds, theirs = kvpress_side(args, board)
         ours = seconds / (count * args.documents)
         per = theirs_seconds / (len(theirs) * args.documents)
-        same = sum(mine[cell] == [answer.strip() for answer in theirs[cell]] for cell in theirs)
-        board = list(theirs)
+        differ = [cell for cell in theirs if mine[cell] != [answer.strip() for answer in theirs[cell]]]
+        named = f" (not {', '.join(f'{name} at {budget:g}' for name, budget in differ)})" if differ else ""
         print(f"| {round_} | h2o_eval grid | {count} | {ours:.2f} | | |")
         ratio = f"{per / ours:.1f}x"
-        print(f"| {round_} | kvpress pipeline | {len(board)} | {per:.2f} | {ratio} | {same} of {len(board)} |")
+        same = f"{len(theirs) - len(differ)} of {len(theirs)}{named}"
+        print(f"| {round_} | kvpress pipeline | {len(theirs)} | {per:.2f} | {ratio} | {same} |")
         sys.stdout.flush()
 
 
