@@ -5,12 +5,12 @@ one thread, and the generation's tokens/s; docs/costs.md's "Seconds per document
     python -m h2o_eval.benchmarks.costs --leaderboard SHARED ONE [--model smollm2-135m] [--documents 40]
     python -m h2o_eval.benchmarks.costs --parts RECORDS
     python -m h2o_eval.benchmarks.costs --estimate MEASURED ANSWERS... [--model smollm2-135m] [--documents 40]
-    python -m h2o_eval.benchmarks.costs --reasoning --data-dir ../shared/data [--models smollm2-135m] [--batches 1 8]
+    python -m h2o_eval.benchmarks.costs --reasoning --data-dir ../shared/data [--models smollm2-135m] [--batches 1 10]
 
-``--reasoning`` runs MATH-500's first 8 problems under H2O at 256 tokens (256 new tokens at most) once per batch
-size, the problems leaving their batch as their solutions end, and prints the solutions' generated tokens per CPU
-second and per second of wall time (the policy's own generation: not the full cache's solutions the agreement
-needs, nor the load).
+``--reasoning`` runs MATH-500's first problems (as many as the largest batch) under H2O at 256 tokens (256 new
+tokens at most) once per batch size, the problems leaving their batch as their solutions end, and prints the
+solutions' generated tokens per CPU second and per second of wall time (the policy's own generation: not the full
+cache's solutions the agreement needs, nor the load).
 
 ``--parts`` reads the records in RECORDS that split their CPU time (``generation.cpu_seconds``) and prints, per task
 and model, the CPU seconds per context and cell of each part: the prompt's pass, scoring, the question's pass,
@@ -240,7 +240,7 @@ def main() -> None:
     parser.add_argument("--parts", type=Path, metavar="RECORDS")
     parser.add_argument("--estimate", type=Path, nargs="+", metavar=("MEASURED", "ANSWERS"))
     parser.add_argument("--reasoning", action="store_true", help="tokens/s of reasoning solutions, per batch size")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 10], help="the reasoning board's batch: 10")
     args = parser.parse_args()
     if args.reasoning:
         if args.data_dir is None:
@@ -250,7 +250,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             for model in args.models:
                 for batch in args.batches:
-                    overrides = ["task=math500", "limit=8", "policy=h2o", "budget=256", "task.max_new_tokens=256"]
+                    overrides = ["task=math500", f"limit={max(args.batches)}", "policy=h2o", "budget=256"]
+                    overrides.append("task.max_new_tokens=256")
                     record = measure(model, [*overrides, f"batch_size={batch}"], args.data_dir.resolve(), Path(folder))
                     generation = record["generation"]
                     tokens = generation["generated_tokens_mean"] * record["n_samples"]
