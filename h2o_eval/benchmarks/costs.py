@@ -247,11 +247,11 @@ def main() -> None:
             parser.error("--reasoning reads MATH-500: give --data-dir")
         print("| model | batch | solutions | generated tokens | generation CPU s | tokens per CPU s | tokens/s |")
         print("|---|---:|---:|---:|---:|---:|---:|")
+        overrides = ["task=math500", f"limit={max(args.batches)}", "policy=h2o", "budget=256"]
+        overrides += ["task.max_new_tokens=256"]
         with tempfile.TemporaryDirectory() as folder:
             for model in args.models:
                 for batch in args.batches:
-                    overrides = ["task=math500", f"limit={max(args.batches)}", "policy=h2o", "budget=256"]
-                    overrides.append("task.max_new_tokens=256")
                     record = measure(model, [*overrides, f"batch_size={batch}"], args.data_dir.resolve(), Path(folder))
                     generation = record["generation"]
                     tokens = generation["generated_tokens_mean"] * record["n_samples"]

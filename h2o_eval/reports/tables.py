@@ -56,23 +56,22 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
     own, shared = report_labels([r["config"] for r, _ in kept], [r["policy_params"] for r, _ in kept])
     newest: dict[tuple, dict[str, Any]] = {}
     for (record, name), departures in sorted(zip(kept, own, strict=True), key=lambda item: item[0][0]["created"]):
+        labelled = _threshold(record, departures)
         row = {
             "task": record["task"] + (f"@{record['length']}" if "length" in record else ""),
             "length": record.get("length"),
             "model": record["model"],
             "protocol": record["protocol"],
-            "policy": record["policy"] + _departures_label(_threshold(record, departures).values()),
+            "policy": record["policy"] + _departures_label(labelled.values()),
             "policy_without_questions": record["policy"]
-            + _departures_label(
-                text for key, text in _threshold(record, departures).items() if key != "task.questions"
-            ),
+            + _departures_label(text for key, text in labelled.items() if key != "task.questions"),
             "questions": questions(record["config"]),
             "method": record["policy"],
             "threshold": _threshold_curve(record, departures),
             "context": tuple(text for key, text in departures.items() if not key.startswith("policy.")),
             "task_settings": tuple(text for key, text in departures.items() if _task_setting(key)),
             "policy_in_task": record["policy"]
-            + _departures_label(text for key, text in _threshold(record, departures).items() if not _task_setting(key)),
+            + _departures_label(text for key, text in labelled.items() if not _task_setting(key)),
             "shared": tuple(shared),
             "budget": record["budget"],
             "kept": kept_share(record),
