@@ -475,67 +475,77 @@ def test_the_leaderboard_tables_each_policy_by_compression_ratio_the_ceilings_fi
     table = (out / "leaderboard_tiny-llama_context_4096.md").read_text()
     assert table in capsys.readouterr().out
     lines = table.splitlines()
-    assert "Tasks: 1/13 tasks (niah_single_2). Left out, not in every cell: vt (in 9 of 10 cells)." in lines[0]
+    assert (
+        "Tasks: 2/13 tasks (niah_single_2, vt). Not on this board, short of its tasks: snapkv (ratio 0.5)."
+        in (lines[0])
+    )
     assert lines[2] == "| policy | 0.25 | 0.5 | 0.75 | 0.875 |"
-    assert [line.split(" | ")[0] for line in lines[4:]] == [
-        "| full (ceiling)",
-        "| oracle (not deployable)",
-        "| h2o",
-        "| snapkv",
-    ]
+    assert [line.split(" | ")[0] for line in lines[4:]] == ["| full (ceiling)", "| oracle (not deployable)", "| h2o"]
     assert lines[4] == "| full (ceiling) | " + " | ".join(["100.0 [100.0, 100.0]"] * 4) + " |"
     h2o = lines[6].split(" | ")
     assert [cell.split(" [")[0] for cell in h2o[1:]] == ["80.0", "60.0", "30.0", "10.0"]
-    assert lines[7].split(" | ")[2].startswith("70.0 [") and lines[7].split(" | ")[2].endswith("]")
+    assert h2o[2].endswith("]")
     with (out / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     assert [(r["policy"], r["ratio"], r["score"], r["tasks"]) for r in rows[:3]] == [
-        ("full", "0.0", "100.0", "1"),
-        ("oracle", "0.25", "100.0", "1"),
-        ("oracle", "0.5", "90.0", "1"),
+        ("full", "0.0", "100.0", "2"),
+        ("oracle", "0.25", "100.0", "2"),
+        ("oracle", "0.5", "90.0", "2"),
     ]
     prefill = (out / "leaderboard_tiny-llama_prefill_4096.md").read_text().splitlines()
     assert prefill[4].startswith("| full (ceiling) | 100.0") and prefill[5].startswith("| h2o | 20.0 [")
 
 
-def test_every_leaderboard_cell_is_a_mean_over_the_same_tasks_and_a_task_some_cells_lack_is_named(tmp_path, capsys):
-    """A run under way (snapkv not yet on vt) narrows the whole leaderboard to the tasks every cell has, so that
-    its rows stay comparable; the headline keeps each setting's own tasks. Cells sharing no task are refused."""
+def test_every_leaderboard_cell_is_a_mean_over_the_same_tasks_and_what_lacks_them_is_named(tmp_path):
+    """The board's tasks are the task set whose table holds the most scores: a policy on one task fewer (a run
+    under way) is named and left out, so that the rest keep their board; a policy on one task more is narrowed to
+    the board's tasks, the task named. The headline keeps each setting's own tasks."""
     for task, full, h2o in (("niah_single_2", 10, 8), ("vt", 10, 2)):
         long_record(tmp_path, task, "full", 1.0, [[1]] * full + [[0]] * (10 - full))
         long_record(tmp_path, task, "h2o", 0.5, [[1]] * h2o + [[0]] * (10 - h2o))
+        long_record(tmp_path, task, "tova", 0.5, [[1]] * 5 + [[0]] * 5)
     long_record(tmp_path, "niah_single_2", "snapkv", 0.5, [[1]] * 7 + [[0]] * 3)
+    long_record(tmp_path, "niah_single_2", "snapkv", 0.25, [[1]] * 6 + [[0]] * 4)
+    long_record(tmp_path, "qa_1", "h2o", 0.5, [[1]] * 10)
     out = tmp_path / "plots"
-    plot.main([str(tmp_path), "--leaderboard", "--out", str(out)])
-    lines = (out / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
-    assert "Tasks: 1/13 tasks (niah_single_2). Left out, not in every cell: vt (in 2 of 3 cells)." in lines[0]
-    assert [line.split(" [")[0] for line in lines[4:]] == [
-        "| full (ceiling) | 100.0",
-        "| h2o | 80.0",
-        "| snapkv | 70.0",
-    ]
+
+    def board():
+        plot.main([str(tmp_path), "--leaderboard", "--out", str(out)])
+        lines = (out / "leaderboard_tiny-llama_context_4096.md").read_text().splitlines()
+        return lines[0], [line.split(" [")[0] for line in lines[4:]]
+
+    title, rows = board()
+    assert (
+        "Tasks: 2/13 tasks (niah_single_2, vt). Left out, not in every cell: qa_1 (in 1 of 3 cells). Not on this "
+        "board, short of its tasks: snapkv (ratios 0.5, 0.75)." in title
+    )
+    assert rows == ["| full (ceiling) | 100.0", "| h2o | 50.0", "| tova | 50.0"]
     with (out / "leaderboard_tiny-llama_context_4096.csv").open() as handle:
         assert {(row["policy"], row["score"], row["tasks"]) for row in csv.DictReader(handle)} == {
-            ("full", "100.0", "1"),
-            ("h2o", "80.0", "1"),
-            ("snapkv", "70.0", "1"),
+            ("full", "100.0", "2"),
+            ("h2o", "50.0", "2"),
+            ("tova", "50.0", "2"),
         }
     h2o = next(
         s for s in headline.long_context(tables.table(results.load_records(tmp_path)), tmp_path) if s["policy"] == "h2o"
     )
-    assert (list(h2o["tasks"]), h2o["mean"].value) == (["niah_single_2", "vt"], 50.0)  # the headline's own mean
-    for path in tmp_path.glob("niah_single_2_full_*"):
-        path.unlink()
-    with pytest.raises(SystemExit):
-        plot.main([str(tmp_path), "--leaderboard", "--out", str(out)])
+    assert (list(h2o["tasks"]), round(h2o["mean"].value, 1)) == (["niah_single_2", "vt", "qa_1"], 66.7)
+    for path in tmp_path.glob("vt_tova_*"):
+        path.unlink()  # two tasks of full and h2o (4 scores) against one task of full, h2o, tova, snapkv x2 (5)
+    title, rows = board()
     assert (
-        capsys.readouterr()
-        .err.strip()
-        .endswith(
-            "the leaderboard of tiny-llama, protocol context, 4096 tokens has no task that every policy ran at every "
-            "ratio: run the missing cells, or plot fewer policies or tasks (--model, --task)"
-        )
+        "Tasks: 1/13 tasks (niah_single_2). Left out, not in every cell: vt (in 2 of 5 cells), qa_1 (in 1 of 5 cells). "
+        "full:" in title
     )
+    assert rows == ["| full (ceiling) | 100.0", "| h2o | 80.0", "| snapkv | 70.0", "| tova | 50.0"]
+    for path in tmp_path.glob("niah_single_2_full_*"):
+        path.unlink()  # only the tasks the ceiling has: vt, whatever more the rest ran
+    title, _ = board()
+    assert (
+        "Tasks: 1/13 tasks (vt). Left out, not in every cell: niah_single_2 (in 1 of 2 cells), qa_1 (in 1 of 2 "
+        in title
+    )
+    assert "short of its tasks: snapkv (ratios 0.5, 0.75), tova (ratio 0.5). full:" in title
 
 
 def test_tasks_scored_on_different_limits_share_one_leaderboard_and_a_task_on_two_limits_is_refused(tmp_path, capsys):
@@ -577,7 +587,7 @@ def test_the_leaderboard_figure_draws_score_against_compression_ratio_with_dashe
     ax = leaderboards.leaderboard_figure(key, groups[key]).axes[0]
     handles, labels = ax.get_legend_handles_labels()
     lines = dict(zip(labels, handles, strict=True))
-    assert labels == ["full cache", "oracle (not deployable)", "h2o", "snapkv"]
+    assert labels == ["full cache", "oracle (not deployable)", "h2o"]  # snapkv, on one of the two tasks, is not
     assert lines["full cache"].get_linestyle() == "--" and list(lines["full cache"].get_ydata()) == [100.0, 100.0]
     oracle, h2o = lines["oracle (not deployable)"].lines[0], lines["h2o"].lines[0]
     assert oracle.get_linestyle() == ":"

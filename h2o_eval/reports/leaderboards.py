@@ -31,9 +31,9 @@ def _ratio(budget: float) -> float:
 def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
     """The long-context settings grouped for leaderboards, one per (model, protocol, length): that protocol's
     settings, led by the full cache's (of that protocol when there is one, else of another: the full cache holds
-    everything in any). Every cell of a leaderboard is a mean over the same tasks, those all its settings have:
-    a setting with more is narrowed to them, its ``left_out`` naming the others (a run under way, a policy not
-    run on a task). Raises ValueError when its settings share no task."""
+    everything in any). Every cell of a leaderboard is a mean over the same tasks (:func:`_board_tasks`): a setting
+    with more is narrowed to them, its ``left_out`` naming the others; a setting that lacks one of them (a run under
+    way, a policy run on fewer tasks) is not a cell, and the first setting's ``missing`` names it."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for s in settings:
         if s["method"] != "full":
@@ -41,14 +41,25 @@ def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, A
     for (model, protocol, length), group in groups.items():
         full = [s for s in settings if s["method"] == "full" and (s["model"], s["length"]) == (model, length)]
         group[:0] = sorted(full, key=lambda s: s["protocol"] != protocol)[:1]
-        shared = set.intersection(*(set(s["tasks"]) for s in group))
-        if not shared:
-            raise ValueError(
-                f"the leaderboard of {model}, protocol {protocol}, {length} tokens has no task that every policy ran "
-                "at every ratio: run the missing cells, or plot fewer policies or tasks (--model, --task)"
-            )
-        group[:] = [_narrowed(s, shared) for s in group]
+        tasks = _board_tasks(group)
+        missing = [s for s in group if not tasks <= set(s["tasks"])]
+        group[:] = [_narrowed(s, tasks) for s in group if tasks <= set(s["tasks"])]
+        group[0] = {**group[0], "missing": missing}
     return groups
+
+
+def _board_tasks(group: list[dict[str, Any]]) -> set[str]:
+    """The tasks of a leaderboard: of the task sets its settings ran (within those of the full cache's ceiling),
+    the one whose table holds the most scores (settings but the ceiling that ran all of its tasks x its tasks), the
+    larger on a tie.
+    So a policy run on one task more or one task fewer than the rest leaves the rest's board as it is."""
+    ceiling = set(group[0]["tasks"]) if group[0]["method"] == "full" else {t for s in group for t in s["tasks"]}
+    candidates = {frozenset(set(s["tasks"]) & ceiling) for s in group} - {frozenset()}
+
+    def scores(tasks: frozenset[str]) -> tuple[int, int]:
+        return sum(tasks <= set(s["tasks"]) for s in group if s["method"] != "full") * len(tasks), len(tasks)
+
+    return set(max(sorted(candidates, key=sorted), key=scores))
 
 
 def _narrowed(setting: dict[str, Any], tasks: set[str]) -> dict[str, Any]:
@@ -93,12 +104,19 @@ def _leaderboard_title(key: tuple, group: list[dict[str, Any]]) -> str:
 
 def _left_out_label(group: list[dict[str, Any]]) -> str:
     left_out = sorted({task for s in group for task in s.get("left_out", [])}, key=task_order)
-    if not left_out:
-        return ""
     counts = [
         f"{task} (in {sum(task in s.get('left_out', []) for s in group)} of {len(group)} cells)" for task in left_out
     ]
-    return f" Left out, not in every cell: {', '.join(counts)}."
+    missing: dict[str, list[float]] = {}
+    for s in group[0].get("missing", []):
+        missing.setdefault(s["policy"], []).append(_ratio(position(s)))
+    absent = [
+        f"{policy} (ratio{'s' * (len(ratios) > 1)} {', '.join(f'{ratio:g}' for ratio in sorted(ratios))})"
+        for policy, ratios in sorted(missing.items())
+    ]
+    return (f" Left out, not in every cell: {', '.join(counts)}." if counts else "") + (
+        f" Not on this board, short of its tasks: {', '.join(absent)}." if absent else ""
+    )
 
 
 def leaderboard_markdown(key: tuple, group: list[dict[str, Any]]) -> str:
