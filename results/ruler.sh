@@ -27,8 +27,8 @@
 #                 qa_1), ONE_LIMIT documents (default 40): 12 policies, kvpress's other presses (issue 61) and the
 #                 board's kvpress/ configurations x 6 ratios (kvpress's 4, 0.9375 and 0.96875), and knorm at 5
 #                 thresholds; LANE=i/n splits its units
-#   board_1q      +experiment=kv_leaderboard as it is: SmolLM2, RULER's 13 tasks, ONE_LIMIT documents (default 40),
-#                 into leaderboard_1q's folder; units of a task and 4 of the preset's policies; LANE=i/n
+#   board_1q      +experiment=kv_leaderboard as it is: SmolLM2, RULER's 13 tasks, ONE_LIMIT documents (default 40);
+#                 units of a task and 4 of the preset's policies; LANE=i/n
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -124,9 +124,9 @@ leaderboard_1q() {
 }
 board_1q() {
     # The whole one-question board (issue 69): +experiment=kv_leaderboard as it is, SmolLM2, RULER's 13 tasks,
-    # ONE_LIMIT documents (default 40), into the same folder as leaderboard_1q (whose records of the same cells are
-    # skipped). A unit is a task and a quarter of the preset's 16 policies (13-16 cells, stacked: about 5 GB);
-    # LANE=i/n runs every n-th unit from the i-th.
+    # ONE_LIMIT documents (default 40), into a folder of its own (niah_single_2's and qa_1's cells that leaderboard_1q
+    # had run were copied there). A unit is a task and a quarter of the preset's 16 policies (13-16 cells, stacked:
+    # about 5 GB); LANE=i/n runs every n-th unit from the i-th.
     local lane=${LANE:-0/1} unit=0 task group
     local -a groups=(
         full,kvzip,kvpress/snapkv,knorm oracle,kvpress/expected_attention,streaming,local
@@ -136,19 +136,19 @@ board_1q() {
         for group in "${groups[@]}"; do
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
             grid +experiment=kv_leaderboard model=smollm2-135m task="$task" limit="${ONE_LIMIT:-40}" batch_size=1 \
-                policy="$group" results_dir="$out/leaderboard_1q"
+                policy="$group" results_dir="$out/board_1q"
         done
     done
 }
 tables() {
     local folder
-    for folder in scorers scorers_gemma full floor leaderboard leaderboard_1q; do
+    for folder in scorers scorers_gemma full floor leaderboard leaderboard_1q board_1q; do
         [ -d "$out/$folder" ] || { echo "no records in $out/$folder: results/ruler/$folder left as committed"; continue; }
         case $folder in
             scorers | scorers_gemma) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 0.5 0.75 ;;
             floor) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --at 0.25 ;;
             full) python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" ;;
-            leaderboard | leaderboard_1q)  # and per task: its figure, every cell's score, each policy paired against the full cache
+            leaderboard | leaderboard_1q | board_1q)  # and per task: its figure, every cell's score, each policy paired against the full cache
                 python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --leaderboard
                 python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder/tasks"
                 # beside the one-question board: the shared-context board's records of the same model and tasks
