@@ -51,8 +51,8 @@ def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, A
 def _board_tasks(group: list[dict[str, Any]]) -> set[str]:
     """The tasks of a leaderboard: of the task sets its settings ran (within those of the full cache's ceiling),
     the one whose table holds the most scores (settings but the ceiling that ran all of its tasks x its tasks), the
-    larger on a tie.
-    So a policy run on one task more or one task fewer than the rest leaves the rest's board as it is."""
+    larger on a tie. So a policy run on one task more or one task fewer than the rest leaves the rest's board as it
+    is."""
     ceiling = set(group[0]["tasks"]) if group[0]["method"] == "full" else {t for s in group for t in s["tasks"]}
     candidates = {frozenset(set(s["tasks"]) & ceiling) for s in group} - {frozenset()}
 
