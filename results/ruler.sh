@@ -27,8 +27,8 @@
 #                 qa_1), ONE_LIMIT documents (default 40): 12 policies, kvpress's other presses (issue 61) and the
 #                 board's kvpress/ configurations x 6 ratios (kvpress's 4, 0.9375 and 0.96875), and knorm at 5
 #                 thresholds; LANE=i/n splits its units
-#   board_1q      +experiment=kv_leaderboard as it is: SmolLM2, RULER's 13 tasks, ONE_LIMIT documents (default 40);
-#                 units of a task and 4 of the preset's policies; LANE=i/n
+#   board_1q      +experiment=kv_leaderboard as it is: RULER's 13 tasks, ONE_LIMIT documents (default 40),
+#                 BOARD_MODEL (default smollm2-135m); units of a task and 4 of the preset's policies; LANE=i/n
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -123,10 +123,11 @@ leaderboard_1q() {
     done
 }
 board_1q() {
-    # The whole one-question board (issue 69): +experiment=kv_leaderboard as it is, SmolLM2, RULER's 13 tasks,
-    # ONE_LIMIT documents (default 40), into a folder of its own (niah_single_2's and qa_1's cells that leaderboard_1q
-    # had run were copied there). A unit is a task and a quarter of the preset's 16 policies (13-16 cells, stacked:
-    # about 5 GB); LANE=i/n runs every n-th unit from the i-th.
+    # The whole one-question board (issue 69): +experiment=kv_leaderboard as it is, RULER's 13 tasks, ONE_LIMIT
+    # documents (default 40), BOARD_MODEL (default smollm2-135m; gemma3-270m: about as many CPU-hours, see
+    # docs/costs.md), into a folder of its own (niah_single_2's and qa_1's SmolLM2 cells that leaderboard_1q had run
+    # were copied there). A unit is a task and a quarter of the preset's 16 policies (13-16 cells, stacked: about
+    # 5 GB); LANE=i/n runs every n-th unit from the i-th.
     local lane=${LANE:-0/1} unit=0 task group
     local -a groups=(
         full,kvzip,kvpress/snapkv,knorm oracle,kvpress/expected_attention,streaming,local
@@ -135,8 +136,8 @@ board_1q() {
     for task in ${board_tasks//,/ }; do
         for group in "${groups[@]}"; do
             (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
-            grid +experiment=kv_leaderboard model=smollm2-135m task="$task" limit="${ONE_LIMIT:-40}" batch_size=1 \
-                policy="$group" results_dir="$out/board_1q"
+            grid +experiment=kv_leaderboard model="${BOARD_MODEL:-smollm2-135m}" task="$task" limit="${ONE_LIMIT:-40}" \
+                batch_size=1 policy="$group" results_dir="$out/board_1q"
         done
     done
 }
