@@ -42,8 +42,10 @@ def leaderboards(settings: list[dict[str, Any]]) -> dict[tuple, list[dict[str, A
         full = [s for s in settings if s["method"] == "full" and (s["model"], s["length"]) == (model, length)]
         group[:0] = sorted(full, key=lambda s: s["protocol"] != protocol)[:1]
         tasks = _board_tasks(group)
-        missing = [s for s in group if not tasks <= set(s["tasks"])]
-        group[:] = [_narrowed(s, tasks) for s in group if tasks <= set(s["tasks"])]
+        kept, missing = [], []
+        for s in group:
+            (kept if tasks <= s["tasks"].keys() else missing).append(s)
+        group[:] = [_narrowed(s, tasks) for s in kept]
         group[0] = {**group[0], "missing": missing}
     return groups
 
@@ -54,10 +56,10 @@ def _board_tasks(group: list[dict[str, Any]]) -> set[str]:
     larger on a tie. So a policy run on one task more or one task fewer than the rest leaves the rest's board as it
     is."""
     ceiling = set(group[0]["tasks"]) if group[0]["method"] == "full" else {t for s in group for t in s["tasks"]}
-    candidates = {frozenset(set(s["tasks"]) & ceiling) for s in group} - {frozenset()}
+    candidates = {frozenset(s["tasks"].keys() & ceiling) for s in group} - {frozenset()}
 
     def scores(tasks: frozenset[str]) -> tuple[int, int]:
-        return sum(tasks <= set(s["tasks"]) for s in group if s["method"] != "full") * len(tasks), len(tasks)
+        return sum(tasks <= s["tasks"].keys() for s in group if s["method"] != "full") * len(tasks), len(tasks)
 
     return set(max(sorted(candidates, key=sorted), key=scores))
 
