@@ -142,6 +142,19 @@ def record_path(results_dir: str | Path, config: dict[str, Any], ident: dict[str
     return Path(results_dir) / f"{UNSAFE.sub('_', name)}.json"
 
 
+def partial_path(paths: list[Path], config: dict[str, Any]) -> Path:
+    """Where cells computed together keep their answers so far (:mod:`h2o_eval.generation.partial`):
+    ``<results_dir>/partial/<hash>.pkl``, the hash of their records' names (their identities) and of the settings
+    outside the identity that may change an answer's rounding (batches, stacking, kernels, graphs, device, threads,
+    ``decoding=interval``'s settings)."""
+    outside = ("results_dir", "overwrite", "on_error", "wandb", "data_dir")
+    key = {"records": sorted(path.name for path in paths)} | {
+        name: config.get(name) for name in NOT_IDENTITY if name not in outside
+    }
+    name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(config["results_dir"]) / "partial" / f"{name}.pkl"
+
+
 def stored(path: Path) -> Path | None:
     """The record of ``path``'s setting if one is stored: at ``path``, or under another name that ends in the same
     hash (a name that spells out fewer settings), which is still that setting's record: the hash is the identity."""

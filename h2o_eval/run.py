@@ -155,6 +155,7 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
     protocol, and write their records: one model load; the runner evaluates them together where it can share their
     prompt passes (:meth:`~h2o_eval.runners.Runner.evaluate_shared`), else one by one. Returns the records, in
     order."""
+    from h2o_eval.generation.partial import Partial
     from h2o_eval.models import load_model
 
     first = specs[0].config
@@ -168,7 +169,8 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
     cells = [(spec.policy, spec.config) for spec in specs]
     if len(cells) > 1 and all(runner.shares_prompts(config) for _, config in cells):
         peak = PeakMemory(device)  # one peak for the cells evaluated together
-        evaluations = runner.evaluate_shared(model, tokenizer, cells)
+        partial = Partial(results.partial_path([spec.path for spec in specs], first), git)
+        evaluations = runner.evaluate_shared(model, tokenizer, cells, partial)
         peaks = [peak.read()] * len(cells)
         for evaluation in evaluations:
             evaluation.fields["generation"]["shared_prompt_cells"] = len(cells)
@@ -184,15 +186,18 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
             runner.compare(model, tokenizer, config, evaluation, stored)
     seconds = (time.perf_counter() - loaded) / len(cells)
     cpu = (time.process_time() - loaded_cpu) / len(cells)
+    walls = []
     for evaluation, peak in zip(evaluations, peaks, strict=True):
+        earlier = evaluation.fields.get("generation", {}).get("resumed") or {}  # a stopped run's share, taken up
         # a first load converts the weights once (about 100 s for Gemma 3)
         evaluation.fields["load_seconds"] = round(loaded - began, 3)
         evaluation.fields["load_cpu_seconds"] = round(loaded_cpu - began_cpu, 3)
-        evaluation.fields["cpu_seconds"] = round(cpu, 3)
+        evaluation.fields["cpu_seconds"] = round(cpu + earlier.get("cpu_seconds", 0.0), 3)
         evaluation.fields["peak_memory"] = peak
+        walls.append(seconds + earlier.get("wall_seconds", 0.0))
     return [
-        finish(spec, evaluation, applied_threads, seconds, git, work_dir)
-        for spec, evaluation in zip(specs, evaluations, strict=True)
+        finish(spec, evaluation, applied_threads, wall, git, work_dir)
+        for spec, evaluation, wall in zip(specs, evaluations, walls, strict=True)
     ]
 
 

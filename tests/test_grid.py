@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import weakref
@@ -662,3 +663,65 @@ def test_a_cells_cpu_time_splits_into_its_prompt_pass_scoring_question_pass_and_
     alone = RUNNER.evaluate(model, tokenizer, configured_policy(config), config)
     found = alone.fields["generation"]["cpu_seconds"]
     assert found["question"] == 0 and found["prompt"] > 0 and found["decoding"] > 0
+
+
+class Stopped(BaseException):
+    """A run ended from outside (a preempted job, a machine taken back), which nothing in the run catches."""
+
+
+def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_unstopped_one_would(
+    data_dir, tmp_path, monkeypatch, capsys
+):
+    """Reference: a grid of cells under two protocols (8 batches of one document) run through; implementation: the
+    same grid stopped after its 5th batch, then run again. The stopped run writes no record and leaves its answers
+    under ``partial/``; the second answers only the 3 batches left, says it resumed, writes the same predictions,
+    scores and capacities, counts the first run's time, and removes the partial file."""
+    from h2o_eval.generation.partial import Partial
+
+    monkeypatch.chdir(tmp_path)
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=600", "++task.max_new_tokens=6", "limit=4"]
+    args += ["batch_size=1", f"data_dir={data_dir}", "wandb.mode=disabled", "policy=full,h2o,knorm", "budget=0.5"]
+    args += ["protocol=context,prefill", "decoding=grow"]
+    grid.main([*args, "results_dir=whole"])
+    saves, save = [], Partial.save
+
+    def stopping(self, *a, **k):
+        save(self, *a, **k)
+        saves.append(self.path)
+        if stop and len(saves) == 5:
+            raise Stopped
+
+    monkeypatch.setattr(Partial, "save", stopping)
+    stop = True
+    with pytest.raises(Stopped):
+        grid.main([*args, "results_dir=stopped"])
+    assert not list((tmp_path / "stopped").glob("*.json")), "a stopped run should write no record"
+    assert [p.name for p in (tmp_path / "stopped" / "partial").iterdir()] == [saves[0].name]
+    stop = False
+    capsys.readouterr()
+    grid.main([*args, "results_dir=stopped"])
+    assert len(saves) == 8, "the second run should answer only the 3 batches the first did not"
+    said = capsys.readouterr().err
+    resumed = r"answering niah_single_1 x 6 cells: resumed from \S*stopped/partial/\w+\.pkl, 15 of 24 answers kept"
+    assert re.search(resumed + r" \(4 documents\)", said)
+    assert not list((tmp_path / "stopped" / "partial").iterdir()), "the partial answers should go with the run"
+
+    def read(folder):
+        records = {}
+        for path in sorted((tmp_path / folder).glob("*.json")):
+            record = json.loads(path.read_text())
+            outputs = [json.loads(line) for line in (tmp_path / folder / record["outputs"]).read_text().splitlines()]
+            records[path.name] = record, outputs
+        return records
+
+    whole, resumed = read("whole"), read("stopped")
+    assert sorted(whole) == sorted(resumed) and len(whole) == 6
+    for name, (record, outputs) in whole.items():
+        again, again_outputs = resumed[name]
+        keys = ("id", "prediction", "scores", "capacity", "generated_tokens", "kv_entries")
+        assert [[o[k] for k in keys] for o in again_outputs] == [[o[k] for k in keys] for o in outputs]
+        assert again["metrics"] == record["metrics"] and again["capacity"] == record["capacity"]
+        assert "resumed" not in record["generation"]
+        earlier = again["generation"]["resumed"]
+        assert earlier["documents"] == 4 and earlier["git"] == again["git"]
+        assert again["cpu_seconds"] > earlier["cpu_seconds"] > 0

@@ -11,7 +11,8 @@ all contexts end in one column. Under the other protocols the prompt is whole (i
   (:func:`settle`, and :func:`compress` for the Python API);
 - :mod:`~h2o_eval.generation.completion`: a batch through one cache (:func:`complete`, :func:`generate`);
 - :mod:`~h2o_eval.generation.answering`: documents' questions answered for several cells at once (:func:`answer`);
-- :mod:`~h2o_eval.generation.log`: what a run generated, cost and held (:class:`GenerationLog`).
+- :mod:`~h2o_eval.generation.log`: what a run generated, cost and held (:class:`GenerationLog`);
+- :mod:`~h2o_eval.generation.partial`: the answers so far, kept after every batch, that a stopped run resumes from.
 """
 
 from h2o_eval.generation.answering import Answers, Cell, Document, Settings, answer

@@ -20,7 +20,7 @@ A cell's time (wall and CPU, the latter by part) counts its share of a shared pa
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import Batch, end_tokens, greedy, make_batch, new_tokens, steps
 from h2o_eval.generation.completion import complete
 from h2o_eval.generation.log import GenerationLog, Progress, cpu_into, cpu_parts, shared
+from h2o_eval.generation.partial import Partial
 from h2o_eval.generation.passes import answer_key, decode, decode_leaving, feed, settle
 from h2o_eval.groups import SharedPrompt
 from h2o_eval.policies import Interval, Policy
@@ -82,13 +83,27 @@ def answer(
     documents: Sequence[Document],
     settings: Settings,
     label: str = "answering",
+    partial: Partial | None = None,
 ) -> list[Answers]:
     """Every question of every document, answered greedily by every cell (see the module); returns each cell's
-    :class:`Answers`, questions in document order."""
+    :class:`Answers`, questions in document order. ``partial``: where the answers so far are kept after every
+    batch, and what a stopped run of the same settings left is taken up from (:mod:`~h2o_eval.generation.partial`);
+    then each cell's log says what the runs before spent (``resumed``)."""
     run = _Answering(model, tokenizer, cells, documents, settings)
+    run.partial = partial or Partial(None)
+    earlier = run.partial.load(len(cells))
+    if earlier.batches:
+        run.answers, run.done = earlier.answers, set(earlier.batches)
     protocols = sorted({cell.protocol for cell in cells})
     questions = sum(len(document.questions) for document in documents)
     run.progress = Progress(questions * len(cells), label, "answer")
+    if earlier.batches:
+        answered = sum(len(answers.rows) for answers in run.answers)
+        run.progress.resume(
+            answered,
+            f"{label}: resumed from {partial.path}, {answered} of {questions * len(cells)} answers kept "
+            f"({earlier.documents} documents)",
+        )
     for protocol in protocols:
         members = [i for i, cell in enumerate(cells) if cell.protocol == protocol]
         if protocol == "context":
@@ -98,6 +113,14 @@ def answer(
     run.progress.close()
     for answers in run.answers:
         answers.rows.sort(key=lambda row: row[:2])
+        if earlier.batches:
+            answers.log.resumed = {
+                "documents": earlier.documents,
+                "cpu_seconds": round(earlier.cpu_seconds / len(cells), 3),
+                "wall_seconds": round(earlier.wall_seconds / len(cells), 3),
+                "git": earlier.git,
+            }
+    run.partial.finish()
     return run.answers
 
 
@@ -112,6 +135,8 @@ class _Answering:
         self.answers = [Answers(GenerationLog(max_new_tokens=settings.max_new_tokens)) for _ in cells]
         self.device = next(model.parameters()).device
         self.progress: Any = None
+        self.partial = Partial(None)
+        self.done: set[tuple[str, int]] = set()  # the batches answered, as (protocol, first unit)
         # The full cache's answers the oracle's passes need, per prompt of the current batch: its cells at several
         # budgets generate each once.
         self.answered: dict[Any, list[list[int]]] = {}
@@ -172,6 +197,17 @@ class _Answering:
                 cpu[j]["scoring"] += scoring["scoring"] / (1 + len(rest))
         return spent
 
+    def _starts(self, protocol: str, count: int, size: int) -> Iterator[int]:
+        """The first unit of each batch of ``count`` units (documents, or prompts) under ``protocol`` not answered
+        yet; once the caller has answered one, the answers so far are kept (:attr:`partial`)."""
+        for start in range(0, count, size):
+            if (protocol, start) in self.done:
+                continue
+            yield start
+            self.done.add((protocol, start))
+            documents = len({row[0] for answers in self.answers for row in answers.rows})
+            self.partial.save(self.done, self.answers, documents)
+
     def contexts(self, members: list[int]) -> None:
         """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and
         compressed; then each question, a group of rows whose questions have one length at a time, is answered
@@ -181,7 +217,7 @@ class _Answering:
         cells that differ only in budget; one whose passes need the question and answer (the oracle) compresses
         each question's copy for that question."""
         size = self.settings.batch_size
-        for start in range(0, len(self.documents), size):
+        for start in self._starts("context", len(self.documents), size):
             indices = list(range(start, min(start + size, len(self.documents))))
             items = [self.documents[d] for d in indices]
             self.progress.phase(f"documents {indices[0] + 1}-{indices[-1] + 1}: contexts")
@@ -301,7 +337,7 @@ class _Answering:
         shared."""
         units = [(d, k) for d, document in enumerate(self.documents) for k in range(len(document.questions))]
         size = self.settings.batch_size
-        for start in range(0, len(units), size):
+        for start in self._starts(protocol, len(units), size):
             chunk = units[start : start + size]
             self.progress.phase(f"prompts {start + 1}-{start + len(chunk)} of {len(units)}")
             self.answered = {}

@@ -80,6 +80,7 @@ class Progress:
         self.total, self.description, self.unit = total, description, unit
         self.began = time.perf_counter()
         self.told = False
+        self.kept = 0  # units a stopped run had done (resume)
         self.stopped = threading.Event()
         self.redraws = threading.Thread(target=self._redraw, args=(every,), daemon=True)
         self.redraws.start()
@@ -92,12 +93,18 @@ class Progress:
         """Show what the run does now (``documents 1-8: contexts``) beside the bar, at once."""
         self.bar.set_postfix_str(text, refresh=True)
 
+    def resume(self, count: int, text: str) -> None:
+        """Count ``count`` units a stopped run had done, saying ``text``; the time left is reckoned from the rest."""
+        self.bar.write(text, file=sys.stderr)
+        self.bar.update(count)
+        self.kept = count
+
     def update(self, count: int) -> None:
         self.bar.update(count)
         done = self.bar.n
-        if not self.told and 0 < done < self.total:
+        if not self.told and self.kept < done < self.total:
             elapsed = time.perf_counter() - self.began
-            left = elapsed / done * (self.total - done)
+            left = elapsed / (done - self.kept) * (self.total - done)
             self.bar.write(
                 f"{self.description}: ~{max(left / 60, 1):.0f} min left ({done} of {self.total} {self.unit}s in "
                 f"{elapsed:.0f} s)",
@@ -128,6 +135,7 @@ class GenerationLog:
     entry_bytes: int = 0
     graphs_failed: str | None = None  # why a cache's decode steps could not be captured as CUDA graphs (then eager)
     cpu: dict[str, float] = field(default_factory=cpu_parts)  # CPU seconds by part (PARTS)
+    resumed: dict[str, Any] | None = None  # what the runs this one resumed had answered and spent (partial.py)
 
     def add(
         self,
@@ -177,7 +185,9 @@ class GenerationLog:
         """The record's ``generation`` (token means, tokens/s, KV peak and full-cache entries per KV head and the
         bytes they take over all layers and heads, and the bytes of keys and values a sequence's cache allocated at
         its end, spare slots included; the CPU seconds by part, ``cpu_seconds``; where capturing a decode step
-        raised, why: ``graphs_failed``, the run then decoded eagerly) and ``capacity``."""
+        raised, why: ``graphs_failed``, the run then decoded eagerly; where the run took up a stopped one's
+        answers, ``resumed``: its documents, this cell's share of the CPU and wall seconds it spent answering, and
+        the commit it ran) and ``capacity``."""
         n = max(self.rows, 1)
         return {
             "generation": {
@@ -192,6 +202,7 @@ class GenerationLog:
                 "kv_allocated_bytes_mean": self.allocated_bytes / n,
                 "cpu_seconds": {part: round(spent, 3) for part, spent in self.cpu.items()},
             }
-            | ({} if self.graphs_failed is None else {"graphs_failed": self.graphs_failed}),
+            | ({} if self.graphs_failed is None else {"graphs_failed": self.graphs_failed})
+            | ({} if self.resumed is None else {"resumed": self.resumed}),
             "capacity": self.capacity.stats(),
         }

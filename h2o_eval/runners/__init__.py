@@ -125,9 +125,11 @@ class Runner:
         return False
 
     def evaluate_shared(
-        self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
+        self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]], partial: Any = None
     ) -> list[Evaluation]:
-        """:meth:`evaluate` of several (policy, config) cells at once; by default one after the other."""
+        """:meth:`evaluate` of several (policy, config) cells at once; by default one after the other. ``partial``
+        (:class:`~h2o_eval.generation.partial.Partial`): where a runner that answers through
+        :func:`h2o_eval.generation.answer` (RULER's) keeps its answers so far, and resumes from."""
         return [self.evaluate(model, tokenizer, policy, config) for policy, config in cells]
 
 

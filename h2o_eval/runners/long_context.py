@@ -156,7 +156,7 @@ class LongContextRunner(Runner):
         return config["protocol"] in ("prefill", "context")
 
     def evaluate_shared(
-        self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]]
+        self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]], partial: Any = None
     ) -> list[Evaluation]:
         """The cells' evaluations; they differ only in policy, budget (or threshold) and protocol: every question
         answered by every cell on the generation path (:func:`h2o_eval.generation.answer`: a context fed once for
@@ -196,6 +196,7 @@ class LongContextRunner(Runner):
             [generation.Document(item.context_ids, item.question_ids) for item in items],
             settings,
             label=f"answering {task['name']}" + (f" x {len(cells)} cells" if len(cells) > 1 else ""),
+            partial=partial,
         )
         evaluations = []
         for answers in answered:
