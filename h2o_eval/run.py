@@ -167,18 +167,24 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
     device = next(model.parameters()).device
     runner = specs[0].runner
     cells = [(spec.policy, spec.config) for spec in specs]
+
+    def partial(group: list[Spec]) -> Partial:  # where the answers so far are kept (generation/partial.py)
+        paths = [spec.path for spec in group]
+        return Partial(results.partial_path(paths, group[0].config), [path.name for path in paths], git)
+
     if len(cells) > 1 and all(runner.shares_prompts(config) for _, config in cells):
         peak = PeakMemory(device)  # one peak for the cells evaluated together
-        partial = Partial(results.partial_path([spec.path for spec in specs], first), git)
-        evaluations = runner.evaluate_shared(model, tokenizer, cells, partial)
+        partials = [partial(specs)]
+        evaluations = runner.evaluate_shared(model, tokenizer, cells, partials[0])
         peaks = [peak.read()] * len(cells)
         for evaluation in evaluations:
             evaluation.fields["generation"]["shared_prompt_cells"] = len(cells)
     else:
-        evaluations, peaks = [], []
-        for policy, config in cells:
+        evaluations, peaks, partials = [], [], []
+        for spec, cell in zip(specs, cells, strict=True):
             peak = PeakMemory(device)
-            evaluations.append(runner.evaluate(model, tokenizer, policy, config))
+            partials.append(partial([spec]))
+            evaluations.extend(runner.evaluate_shared(model, tokenizer, [cell], partials[-1]))
             peaks.append(peak.read())
     for (_, config), evaluation in zip(cells, evaluations, strict=True):
         if (reference := runner.reference(config)) is not None:
@@ -195,10 +201,13 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
         evaluation.fields["cpu_seconds"] = round(cpu + earlier.get("cpu_seconds", 0.0), 3)
         evaluation.fields["peak_memory"] = peak
         walls.append(seconds + earlier.get("wall_seconds", 0.0))
-    return [
+    records = [
         finish(spec, evaluation, applied_threads, wall, git, work_dir)
         for spec, evaluation, wall in zip(specs, evaluations, walls, strict=True)
     ]
+    for kept in partials:
+        kept.finish()
+    return records
 
 
 def finish(

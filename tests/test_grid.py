@@ -673,37 +673,44 @@ def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_un
     data_dir, tmp_path, monkeypatch, capsys
 ):
     """Reference: a grid of cells under two protocols (8 batches of one document) run through; implementation: the
-    same grid stopped after its 5th batch, then run again. The stopped run writes no record and leaves its answers
-    under ``partial/``; the second answers only the 3 batches left, says it resumed, writes the same predictions,
-    scores and capacities, counts the first run's time, and removes the partial file."""
+    same grid stopped after its 5th batch, then run again with its cells in another order and room for batches of 2.
+    The stopped run writes no record and leaves its answers under ``partial/``; the second takes them up in their
+    own batches of one, answers only the 3 batches left, says so, writes the records of the unstopped run (outputs,
+    scores, capacities, generation fields but time), counts the first run's time, and removes the file after the
+    records. A file cut short is started over, with a line that says so."""
     from h2o_eval.generation.partial import Partial
 
     monkeypatch.chdir(tmp_path)
     args = ["model=tiny-llama", "task=niah_single_1", "task.length=600", "++task.max_new_tokens=6", "limit=4"]
-    args += ["batch_size=1", f"data_dir={data_dir}", "wandb.mode=disabled", "policy=full,h2o,knorm", "budget=0.5"]
+    args += ["batch_size=1", f"data_dir={data_dir}", "wandb.mode=disabled", "budget=0.5"]
     args += ["protocol=context,prefill", "decoding=grow"]
-    grid.main([*args, "results_dir=whole"])
-    saves, save = [], Partial.save
+    grid.main([*args, "policy=full,h2o,knorm", "results_dir=whole"])
+    saves, save, finish, fitting = [], Partial.save, Partial.finish, generation.fitting_rows
 
     def stopping(self, *a, **k):
         save(self, *a, **k)
         saves.append(self.path)
-        if stop and len(saves) == 5:
+        if len(saves) == stop:
             raise Stopped
 
+    def finishing(self):
+        assert len(list(self.path.parent.parent.glob("*.json"))) == 6, "the records should be written first"
+        finish(self)
+
     monkeypatch.setattr(Partial, "save", stopping)
-    stop = True
+    monkeypatch.setattr(Partial, "finish", finishing)
+    stop = 5  # the save after which the run stops
     with pytest.raises(Stopped):
-        grid.main([*args, "results_dir=stopped"])
+        grid.main([*args, "policy=full,h2o,knorm", "results_dir=stopped"])
     assert not list((tmp_path / "stopped").glob("*.json")), "a stopped run should write no record"
     assert [p.name for p in (tmp_path / "stopped" / "partial").iterdir()] == [saves[0].name]
-    stop = False
+    stop = None
     capsys.readouterr()
-    grid.main([*args, "results_dir=stopped"])
+    monkeypatch.setattr(generation, "fitting_rows", lambda asked, row_bytes, memory: 2)
+    grid.main([*args, "policy=knorm,h2o,full", "results_dir=stopped"])
     assert len(saves) == 8, "the second run should answer only the 3 batches the first did not"
-    said = capsys.readouterr().err
     resumed = r"answering niah_single_1 x 6 cells: resumed from \S*stopped/partial/\w+\.pkl, 15 of 24 answers kept"
-    assert re.search(resumed + r" \(4 documents\)", said)
+    assert re.search(resumed, capsys.readouterr().err)
     assert not list((tmp_path / "stopped" / "partial").iterdir()), "the partial answers should go with the run"
 
     def read(folder):
@@ -714,14 +721,30 @@ def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_un
             records[path.name] = record, outputs
         return records
 
-    whole, resumed = read("whole"), read("stopped")
-    assert sorted(whole) == sorted(resumed) and len(whole) == 6
+    whole, again = read("whole"), read("stopped")
+    assert sorted(whole) == sorted(again) and len(whole) == 6
+    timing = ("cpu_seconds", "generated_tokens_per_s", "resumed")
     for name, (record, outputs) in whole.items():
-        again, again_outputs = resumed[name]
+        resumed, resumed_outputs = again[name]
         keys = ("id", "prediction", "scores", "capacity", "generated_tokens", "kv_entries")
-        assert [[o[k] for k in keys] for o in again_outputs] == [[o[k] for k in keys] for o in outputs]
-        assert again["metrics"] == record["metrics"] and again["capacity"] == record["capacity"]
+        assert [[o[k] for k in keys] for o in resumed_outputs] == [[o[k] for k in keys] for o in outputs]
+        assert resumed["metrics"] == record["metrics"] and resumed["capacity"] == record["capacity"]
+        generated = {k: v for k, v in resumed["generation"].items() if k not in timing}
+        assert generated == {k: v for k, v in record["generation"].items() if k not in timing}
         assert "resumed" not in record["generation"]
-        earlier = again["generation"]["resumed"]
-        assert earlier["documents"] == 4 and earlier["git"] == again["git"]
-        assert again["cpu_seconds"] > earlier["cpu_seconds"] > 0
+        earlier = resumed["generation"]["resumed"]
+        assert earlier["answers"] == (4 if "context" in name else 1) and earlier["git"] == resumed["git"]
+        assert resumed["cpu_seconds"] > earlier["cpu_seconds"] > 0
+        assert resumed["wall_seconds"] > earlier["wall_seconds"] > 0
+
+    stop = len(saves) + 5
+    monkeypatch.setattr(generation, "fitting_rows", fitting)
+    with pytest.raises(Stopped):
+        grid.main([*args, "policy=full,h2o,knorm", "results_dir=cut"])
+    [kept] = (tmp_path / "cut" / "partial").iterdir()
+    kept.write_bytes(kept.read_bytes()[:100])
+    stop = None
+    capsys.readouterr()
+    grid.main([*args, "policy=full,h2o,knorm", "results_dir=cut"])
+    assert f"partial answers {kept} unreadable" in capsys.readouterr().err
+    assert len(saves) == 8 + 5 + 8 and sorted(read("cut")) == sorted(whole)

@@ -19,6 +19,7 @@ A cell's time (wall and CPU, the latter by part) counts its share of a shared pa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -87,22 +88,25 @@ def answer(
 ) -> list[Answers]:
     """Every question of every document, answered greedily by every cell (see the module); returns each cell's
     :class:`Answers`, questions in document order. ``partial``: where the answers so far are kept after every
-    batch, and what a stopped run of the same settings left is taken up from (:mod:`~h2o_eval.generation.partial`);
-    then each cell's log says what the runs before spent (``resumed``)."""
+    batch, and what a stopped run of the same cells and settings left is taken up from, in the batches it answered
+    (:mod:`~h2o_eval.generation.partial`); then each cell's log says what the runs before answered and spent
+    (``resumed``). The caller removes its file once the records are written."""
+    partial = partial or Partial(None)
+    earlier = partial.load(settings.batch_size)
+    if earlier is not None:  # its batches, which fit (as the answers kept were made)
+        settings = dataclasses.replace(settings, batch_size=earlier.size)
     run = _Answering(model, tokenizer, cells, documents, settings)
-    run.partial = partial or Partial(None)
-    earlier = run.partial.load(len(cells))
-    if earlier.batches:
+    run.partial = partial
+    kept = [0] * len(cells)
+    if earlier is not None:
         run.answers, run.done = earlier.answers, set(earlier.batches)
+        kept = [len(answers.rows) for answers in run.answers]
     protocols = sorted({cell.protocol for cell in cells})
     questions = sum(len(document.questions) for document in documents)
     run.progress = Progress(questions * len(cells), label, "answer")
-    if earlier.batches:
-        answered = sum(len(answers.rows) for answers in run.answers)
+    if earlier is not None:
         run.progress.resume(
-            answered,
-            f"{label}: resumed from {partial.path}, {answered} of {questions * len(cells)} answers kept "
-            f"({earlier.documents} documents)",
+            sum(kept), f"{label}: resumed from {partial.path}, {sum(kept)} of {questions * len(cells)} answers kept"
         )
     for protocol in protocols:
         members = [i for i, cell in enumerate(cells) if cell.protocol == protocol]
@@ -111,16 +115,15 @@ def answer(
         else:
             run.prompts(members, protocol)
     run.progress.close()
-    for answers in run.answers:
+    for answers, count in zip(run.answers, kept, strict=True):
         answers.rows.sort(key=lambda row: row[:2])
-        if earlier.batches:
+        if earlier is not None:
             answers.log.resumed = {
-                "documents": earlier.documents,
+                "answers": count,
                 "cpu_seconds": round(earlier.cpu_seconds / len(cells), 3),
                 "wall_seconds": round(earlier.wall_seconds / len(cells), 3),
                 "git": earlier.git,
             }
-    run.partial.finish()
     return run.answers
 
 
@@ -205,8 +208,7 @@ class _Answering:
                 continue
             yield start
             self.done.add((protocol, start))
-            documents = len({row[0] for answers in self.answers for row in answers.rows})
-            self.partial.save(self.done, self.answers, documents)
+            self.partial.save(size, self.done, self.answers)
 
     def contexts(self, members: list[int]) -> None:
         """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and

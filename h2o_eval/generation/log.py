@@ -94,10 +94,11 @@ class Progress:
         self.bar.set_postfix_str(text, refresh=True)
 
     def resume(self, count: int, text: str) -> None:
-        """Count ``count`` units a stopped run had done, saying ``text``; the time left is reckoned from the rest."""
+        """Start from ``count`` units a stopped run had done, saying ``text``; rates and the time left are this
+        run's."""
         self.bar.write(text, file=sys.stderr)
-        self.bar.update(count)
-        self.kept = count
+        self.bar.n = self.bar.last_print_n = self.bar.initial = self.kept = count
+        self.bar.refresh()
 
     def update(self, count: int) -> None:
         self.bar.update(count)
@@ -106,8 +107,8 @@ class Progress:
             elapsed = time.perf_counter() - self.began
             left = elapsed / (done - self.kept) * (self.total - done)
             self.bar.write(
-                f"{self.description}: ~{max(left / 60, 1):.0f} min left ({done} of {self.total} {self.unit}s in "
-                f"{elapsed:.0f} s)",
+                f"{self.description}: ~{max(left / 60, 1):.0f} min left ({done - self.kept} of "
+                f"{self.total - self.kept} {self.unit}s in {elapsed:.0f} s)",
                 file=sys.stderr,
             )
             self.told = True
@@ -186,8 +187,8 @@ class GenerationLog:
         bytes they take over all layers and heads, and the bytes of keys and values a sequence's cache allocated at
         its end, spare slots included; the CPU seconds by part, ``cpu_seconds``; where capturing a decode step
         raised, why: ``graphs_failed``, the run then decoded eagerly; where the run took up a stopped one's
-        answers, ``resumed``: its documents, this cell's share of the CPU and wall seconds it spent answering, and
-        the commit it ran) and ``capacity``."""
+        answers, ``resumed``: this cell's ``answers`` kept, its share of the CPU and wall seconds the stopped runs
+        spent answering, and the commit they started from) and ``capacity``."""
         n = max(self.rows, 1)
         return {
             "generation": {

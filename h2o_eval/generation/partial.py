@@ -1,72 +1,111 @@
 """A run's answers so far, kept on disk after every batch, so that a run stopped part way (a preempted job, a
 machine taken back) resumes from its last finished batch instead of its first document.
 
-:func:`~h2o_eval.generation.answering.answer` reads the file when it starts, writes it whole (a new file renamed
-over the old) after each batch, and removes it when every batch is answered. The file holds each cell's
-:class:`~h2o_eval.generation.answering.Answers` (rows and log), which batches are done, and what the runs before
-spent, so that the record counts every run's time (``generation.resumed``). Its name is a hash of everything that
-decides the answers (:func:`h2o_eval.results.partial_path`): a run of other settings never reads it.
+:func:`~h2o_eval.generation.answering.answer` takes up what the file holds when it starts and writes it whole (a
+new file renamed over the old) after each batch; the run that writes the records removes it after them
+(:func:`h2o_eval.run.compute`). The file holds each cell's :class:`~h2o_eval.generation.answering.Answers` (rows
+and log) under its record's name, the batch size and which batches are done, and what the runs before spent, so
+that the record counts every run's time (``generation.resumed``). Its name is a hash of the cells' record names
+and of the settings outside their identity that may change an answer (:func:`h2o_eval.results.partial_path`): a
+run of other settings never reads it. A file that cannot be read, or that holds other cells or larger batches than
+fit now, is started over, with a line that says so.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+VERSION = 1  # of the file's layout: a file of another is started over
+
 
 @dataclass
 class Earlier:
-    """What the runs before this one answered and spent: ``batches`` done, as (protocol, first unit); per cell its
-    answers so far; their ``documents``; the CPU and wall seconds they spent answering (all cells); ``git``: the
-    commit the first of them ran."""
+    """What the runs before this one answered and spent: per cell (``names``: the records', in the order of
+    ``answers``) its answers so far; ``size``: the documents (or prompts) they answered a batch; ``batches``
+    done, as (protocol, first unit); the CPU and wall seconds they spent answering (all cells); ``git``: the commit
+    the first of them ran."""
 
+    names: list[str]
+    size: int
     batches: set[tuple[str, int]] = field(default_factory=set)
     answers: list[Any] = field(default_factory=list)
-    documents: int = 0
     cpu_seconds: float = 0.0
     wall_seconds: float = 0.0
     git: Any = None
+    version: int = VERSION
 
 
 class Partial:
-    """The answers of one :func:`~h2o_eval.generation.answering.answer` so far at ``path`` (None: kept nowhere):
-    :meth:`load` what a stopped run left, :meth:`save` after each batch, :meth:`finish` when all are answered."""
+    """The answers so far of the cells ``names`` (their records' file names, in the order they are answered) at
+    ``path`` (None: kept nowhere): :meth:`load` what a stopped run left, :meth:`save` after each batch,
+    :meth:`finish` once the records are written. ``git``: this run's commit."""
 
-    def __init__(self, path: Path | None, git: Any = None) -> None:
-        self.path, self.git = path, git
-        self.earlier = Earlier(git=git)
+    def __init__(self, path: Path | None, names: list[str] | None = None, git: Any = None) -> None:
+        self.path, self.names, self.git = path, list(names or []), git
+        self.earlier: Earlier | None = None
         self.began_cpu, self.began_wall = time.process_time(), time.perf_counter()
 
-    def load(self, cells: int) -> Earlier:
-        """What a stopped run of these settings left (nothing if none did, or if its file holds another number
-        of cells)."""
-        if self.path is not None and self.path.exists():
+    def load(self, size: int) -> Earlier | None:
+        """What a stopped run of these cells left, its answers in this run's order: None where there is nothing
+        to take up, or where the file cannot be read, holds other cells or answered more than ``size`` (the
+        batch that fits now) a batch (then it is started over, with a line that says why)."""
+        if self.path is None or not self.path.exists():
+            return None
+        try:
             earlier = pickle.loads(self.path.read_bytes())
-            if isinstance(earlier, Earlier) and len(earlier.answers) == cells:
-                self.earlier = earlier
-        return self.earlier
+            reason = None
+            if not isinstance(earlier, Earlier) or earlier.version != VERSION:
+                reason = "written by another version of h2o_eval"
+            elif sorted(earlier.names) != sorted(self.names):
+                reason = "of other cells"
+            elif earlier.size > size:
+                reason = f"answered {earlier.size} a batch, and {size} fit now"
+        except Exception as error:  # a file cut short, or of classes that have changed since
+            reason = f"unreadable ({type(error).__name__}: {error})"
+        if reason is not None:
+            print(f"partial answers {self.path} {reason}: starting over", file=sys.stderr, flush=True)
+            return None
+        earlier.answers = [earlier.answers[earlier.names.index(name)] for name in self.names]
+        earlier.names = list(self.names)
+        self.earlier = earlier
+        return earlier
 
-    def save(self, batches: set[tuple[str, int]], answers: list[Any], documents: int) -> None:
-        """Keep the answers after a batch: the whole file or none of it (a new file renamed over the old)."""
+    def save(self, size: int, batches: set[tuple[str, int]], answers: list[Any]) -> None:
+        """Keep the answers after a batch: the whole file or none of it (a new file, synced, renamed over the
+        old)."""
         if self.path is None:
             return
-        earlier = Earlier(set(batches), answers, documents, self.cpu_seconds(), self.wall_seconds(), self.earlier.git)
+        first = self.earlier.git if self.earlier is not None else self.git
+        earlier = Earlier(self.names, size, set(batches), answers, self.cpu_seconds(), self.wall_seconds(), first)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        temporary.write_bytes(pickle.dumps(earlier))
-        os.replace(temporary, self.path)
+        handle, temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
+        try:
+            with os.fdopen(handle, "wb") as file:
+                pickle.dump(earlier, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, self.path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
 
     def cpu_seconds(self) -> float:
-        """The CPU seconds spent answering, this run's and the runs' before."""
-        return self.earlier.cpu_seconds + time.process_time() - self.began_cpu
+        """The CPU seconds spent answering, the runs' before and this one's."""
+        before = self.earlier.cpu_seconds if self.earlier is not None else 0.0
+        return before + time.process_time() - self.began_cpu
 
     def wall_seconds(self) -> float:
-        return self.earlier.wall_seconds + time.perf_counter() - self.began_wall
+        before = self.earlier.wall_seconds if self.earlier is not None else 0.0
+        return before + time.perf_counter() - self.began_wall
 
     def finish(self) -> None:
+        """Remove the file: the records it was kept for are written."""
         if self.path is not None:
             self.path.unlink(missing_ok=True)
