@@ -186,17 +186,21 @@ def _best(rehearsal: Rehearsal, row: int, visible: torch.Tensor, plus: bool) -> 
         value = rehearsal.value[row, :, columns].float()
         written = torch.einsum("hgdj,htd->hgtj", projection, value).norm(dim=-1)  # [Hkv, G, n]
         inputs = rehearsal.hidden_states[row, :m].float().norm(dim=-1)  # [m]
-    best = query.new_zeros(kv_heads, columns.numel())
+    n = columns.numel()
+    best = query.new_zeros(kv_heads, n)
     for first in range(0, m, BLOCK):
         last = min(first + BLOCK, m)
         rows = torch.arange(first, last, device=query.device)
         block = query[:, :, first:last]
-        on_slots = torch.matmul(block, slot_keys.unsqueeze(1).transpose(-1, -2)) * rehearsal.scaling
-        on_own = torch.matmul(block, own_keys[:, :last].unsqueeze(1).transpose(-1, -2)) * rehearsal.scaling
+        # the logits on the slots, then on the pass's own tokens, written in place into one buffer
+        logits = block.new_empty(kv_heads, group, last - first, n + last)
+        torch.matmul(block, slot_keys.unsqueeze(1).transpose(-1, -2), out=logits[..., :n])
+        torch.matmul(block, own_keys[:, :last].unsqueeze(1).transpose(-1, -2), out=logits[..., n:])
+        logits.mul_(rehearsal.scaling)
         causal = rows.view(-1, 1) >= torch.arange(last, device=query.device).view(1, -1)
-        on_slots = on_slots.masked_fill(~allowed, float("-inf"))
-        logits = torch.cat([on_slots, on_own.masked_fill(~causal, float("-inf"))], dim=-1)
-        attention = torch.softmax(logits, dim=-1)[..., : columns.numel()]  # [Hkv, G, b, n]
+        logits[..., :n].masked_fill_(~allowed, float("-inf"))
+        logits[..., n:].masked_fill_(~causal, float("-inf"))
+        attention = torch.softmax(logits, dim=-1)[..., :n]  # [Hkv, G, b, n]
         if plus:
             attention = attention / inputs[first:last].view(1, 1, -1, 1) * written.unsqueeze(2)
         best = torch.maximum(best, attention.amax(dim=(1, 2)))
