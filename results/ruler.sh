@@ -127,7 +127,7 @@ board_1q() {
     # documents (default 40), BOARD_MODEL (default smollm2-135m; gemma3-270m: about as many CPU-hours, see
     # docs/costs.md), into a folder of its own (niah_single_2's and qa_1's SmolLM2 cells that leaderboard_1q had run
     # were copied there). A unit is a task and a quarter of the preset's 16 policies (13-16 cells, stacked: about
-    # 5 GB); LANE=i/n runs every n-th unit from the i-th.
+    # 5 GB); LANE=i/n runs every n-th unit from the i-th. A unit stopped part way takes up its answers when run again.
     local lane=${LANE:-0/1} unit=0 task group
     local -a groups=(
         full,kvzip,kvpress/snapkv,knorm oracle,kvpress/expected_attention,streaming,local
