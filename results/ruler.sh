@@ -28,7 +28,7 @@
 #                 board's kvpress/ configurations x 6 ratios (kvpress's 4, 0.9375 and 0.96875), and knorm at 5
 #                 thresholds; LANE=i/n splits its units
 #   board_1q      +experiment=kv_leaderboard as it is: RULER's 13 tasks, ONE_LIMIT documents (default 40),
-#                 BOARD_MODEL (default smollm2-135m); units of a task and 4 of the preset's policies; LANE=i/n
+#                 BOARD_MODEL (default smollm2-135m); a unit is a task's 61 cells; LANE=i/n
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -126,19 +126,16 @@ board_1q() {
     # The whole one-question board (issue 69): +experiment=kv_leaderboard as it is, RULER's 13 tasks, ONE_LIMIT
     # documents (default 40), BOARD_MODEL (default smollm2-135m; gemma3-270m: about as many CPU-hours, see
     # docs/costs.md), into a folder of its own (niah_single_2's and qa_1's SmolLM2 cells that leaderboard_1q had run
-    # were copied there). A unit is a task and a quarter of the preset's 16 policies (13-16 cells, stacked: about
-    # 5 GB); LANE=i/n runs every n-th unit from the i-th. A unit stopped part way takes up its answers when run again.
-    local lane=${LANE:-0/1} unit=0 task group
-    local -a groups=(
-        full,kvzip,kvpress/snapkv,knorm oracle,kvpress/expected_attention,streaming,local
-        criticalkv,keydiff,kvpress/pyramidkv,tova kvpress/adakv_compactor,h2o,heavy,kvpress/random
-    )
+    # were copied there). A unit is a task: the preset's 61 cells share each document's prompt pass and decode
+    # stacked (SmolLM2: 7.8 GB at peak). niah_single_1 and niah_multivalue's first 29 cells ran in quarters of the 16
+    # policies, each paying the prompt pass: niah_single_1 took 2.70 CPU-hours, where the 61 cells' parts estimate 1.97.
+    # LANE=i/n runs every n-th task from the i-th; cells with records are skipped, and a unit stopped part way takes up
+    # its answers when run again.
+    local lane=${LANE:-0/1} unit=0 task
     for task in ${board_tasks//,/ }; do
-        for group in "${groups[@]}"; do
-            (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
-            grid +experiment=kv_leaderboard model="${BOARD_MODEL:-smollm2-135m}" task="$task" limit="${ONE_LIMIT:-40}" \
-                batch_size=1 policy="$group" results_dir="$out/board_1q"
-        done
+        (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
+        grid +experiment=kv_leaderboard model="${BOARD_MODEL:-smollm2-135m}" task="$task" limit="${ONE_LIMIT:-40}" \
+            batch_size=1 results_dir="$out/board_1q"
     done
 }
 tables() {
