@@ -95,8 +95,7 @@ def answer(
     earlier = partial.load(settings.batch_size)
     if earlier is not None:  # its batches, which fit (as the answers kept were made)
         settings = dataclasses.replace(settings, batch_size=earlier.size)
-    run = _Answering(model, tokenizer, cells, documents, settings)
-    run.partial = partial
+    run = _Answering(model, tokenizer, cells, documents, settings, partial)
     kept = [0] * len(cells)
     if earlier is not None:
         run.answers, run.done = earlier.answers, set(earlier.batches)
@@ -130,7 +129,15 @@ def answer(
 class _Answering:
     """The state of one :func:`answer`: each cell's answers so far, and how batches are answered."""
 
-    def __init__(self, model, tokenizer, cells: Sequence[Cell], documents: Sequence[Document], settings: Settings):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        cells: Sequence[Cell],
+        documents: Sequence[Document],
+        settings: Settings,
+        partial: Partial,
+    ):
         self.model, self.tokenizer, self.cells, self.documents = model, tokenizer, cells, documents
         self.settings = settings
         self.greedy = greedy(settings.max_new_tokens, tokenizer.pad_token_id)
@@ -138,7 +145,7 @@ class _Answering:
         self.answers = [Answers(GenerationLog(max_new_tokens=settings.max_new_tokens)) for _ in cells]
         self.device = next(model.parameters()).device
         self.progress: Any = None
-        self.partial = Partial(None)
+        self.partial = partial
         self.done: set[tuple[str, int]] = set()  # the batches answered, as (protocol, first unit)
         # The full cache's answers the oracle's passes need, per prompt of the current batch: its cells at several
         # budgets generate each once.

@@ -18,7 +18,7 @@ import pickle
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,11 @@ class Earlier:
 
     names: list[str]
     size: int
-    batches: set[tuple[str, int]] = field(default_factory=set)
-    answers: list[Any] = field(default_factory=list)
-    cpu_seconds: float = 0.0
-    wall_seconds: float = 0.0
-    git: Any = None
+    batches: set[tuple[str, int]]
+    answers: list[Any]
+    cpu_seconds: float
+    wall_seconds: float
+    git: Any
     version: int = VERSION
 
 
