@@ -14,14 +14,12 @@ def projected_value_norm(value: torch.Tensor, projection: torch.Tensor, group: i
     """[B, Hkv, n] the L1 norm of each value [B, Hkv, n, D] projected through the layer's output projection
     (``projection``, W_O per query head [Hq, D, hidden]), ||v W_O^h||_1 per query head h, averaged over the KV
     head's ``group`` query heads (kvpress's ``CriticalKVPress.vwl1norm``)."""
-    projection = projection.float()
-    values = value.float().repeat_interleave(group, dim=1)  # [B, Hq, n, D]
-    norms = (
-        torch.stack([values[:, head] @ projection[head] for head in range(projection.shape[0])], dim=1)
-        .abs()
-        .sum(dim=-1)
-    )  # [B, Hq, n]; one head at a time, as kvpress, to bound the memory
-    batch, heads, n = norms.shape
+    projection, value = projection.float(), value.float()
+    batch, _, n, _ = value.shape
+    heads = projection.shape[0]
+    norms = value.new_empty(batch, heads, n)
+    for head in range(heads):  # one head at a time, as kvpress, to bound the memory; its KV head's values as they are
+        norms[:, head] = (value[:, head // group] @ projection[head]).abs().sum(dim=-1)
     return norms.view(batch, heads // group, group, n).mean(dim=2)
 
 
