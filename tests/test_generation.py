@@ -467,6 +467,32 @@ def test_answering_counts_each_cells_answers_as_they_come_and_redraws_between_th
     assert phases[0] == "documents 1-3: contexts" and len(redraws) >= 5
 
 
+def test_answering_that_fails_stops_its_progress_bar_redrawing(tiny, monkeypatch):
+    """A run that raises (here in its contexts' pass) closes its bar: the thread redrawing it has ended when the error
+    reaches the caller, so a sweep's next job does not go on redrawing a dead bar."""
+    from h2o_eval.generation import answering, log
+    from h2o_eval.generation.answering import Cell, Document, Settings, answer
+    from h2o_eval.policies import example_policy
+
+    model, tokenizer = tiny
+    bars = []
+
+    class Watched(log.Progress):
+        def __init__(self, *args):
+            super().__init__(*args, every=0.01)
+            bars.append(self)
+
+    def fails(self, members):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(answering, "Progress", Watched)
+    monkeypatch.setattr(answering._Answering, "contexts", fails)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        answer(model, tokenizer, [Cell(example_policy("h2o", 0.5), "context")], [Document([5, 6, 7], [[8]])],
+               Settings(3, batch_size=1))  # fmt: skip
+    assert len(bars) == 1 and not bars[0].redraws.is_alive()
+
+
 @pytest.mark.parametrize(
     ("name", "budget", "protocol"),
     [("h2o", 12, "prefill"), ("tova", 0.5, "context"), ("kvzip", 0.5, "prefill"), ("streaming", 10, "prefill")],

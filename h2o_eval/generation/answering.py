@@ -102,18 +102,17 @@ def answer(
         kept = [len(answers.rows) for answers in run.answers]
     protocols = sorted({cell.protocol for cell in cells})
     questions = sum(len(document.questions) for document in documents)
-    run.progress = Progress(questions * len(cells), label, "answer")
-    if earlier is not None:
-        run.progress.resume(
-            sum(kept), f"{label}: resumed from {partial.path}, {sum(kept)} of {questions * len(cells)} answers kept"
-        )
-    for protocol in protocols:
-        members = [i for i, cell in enumerate(cells) if cell.protocol == protocol]
-        if protocol == "context":
-            run.contexts(members)
-        else:
-            run.prompts(members, protocol)
-    run.progress.close()
+    with Progress(questions * len(cells), label, "answer") as run.progress:
+        if earlier is not None:
+            run.progress.resume(
+                sum(kept), f"{label}: resumed from {partial.path}, {sum(kept)} of {questions * len(cells)} answers kept"
+            )
+        for protocol in protocols:
+            members = [i for i, cell in enumerate(cells) if cell.protocol == protocol]
+            if protocol == "context":
+                run.contexts(members)
+            else:
+                run.prompts(members, protocol)
     for answers, count in zip(run.answers, kept, strict=True):
         answers.rows.sort(key=lambda row: row[:2])
         if earlier is not None:

@@ -71,7 +71,8 @@ class Progress:
     """A progress bar over a run's units (documents; a cell's answer to a question), with the time left by the bar's
     rate. It also says once, after the first units, about how long the rest will take (a line in a log, where the
     bar's own estimate is overwritten), and redraws itself every ``every`` seconds between units, with what is
-    being done now (:meth:`phase`), so that a long prompt pass still shows the run alive."""
+    being done now (:meth:`phase`), so that a long prompt pass still shows the run alive. Used as a context
+    manager, it is closed however the run ends."""
 
     def __init__(self, total: int, description: str, unit: str, every: float = 30.0) -> None:
         from tqdm import tqdm
@@ -117,6 +118,12 @@ class Progress:
         self.stopped.set()
         self.redraws.join()
         self.bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exception) -> None:
+        self.close()  # the redraws stop however the run ends
 
 
 @dataclass

@@ -190,23 +190,22 @@ class ReasoningRunner(Runner):
         seeds = [config["seed"] + s for s in range(settings["samples"] if settings["sample"] else 1)]
         log = generation.GenerationLog(max_new_tokens=task["max_new_tokens"])
         outputs: list[dict[str, Any]] = []
-        progress = generation.Progress(len(problems) * len(seeds), f"solving {task['name']}", "solution")
-        for sample, seed in enumerate(seeds):
-            if settings["sample"]:
-                torch.manual_seed(seed)
-            for row, (problem, generated) in enumerate(
-                solve(model, tokenizer, policy, config, problems, log, progress)
-            ):
-                tokens = generated.pop("tokens")
-                prediction = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-                answer = str(problem[task["answer"]])
-                outputs.append({
-                    "id": problem[task["id"]] if task["id"] else row,
-                    **({"sample": sample, "seed": seed} if settings["sample"] else {}),
-                    "prediction": prediction, "answer": answer, "final_answer": final_answer(task, prediction),
-                    "scores": scores(task, prediction, answer), **generated, "token_ids": tokens,
-                })  # fmt: skip
-        progress.close()
+        with generation.Progress(len(problems) * len(seeds), f"solving {task['name']}", "solution") as progress:
+            for sample, seed in enumerate(seeds):
+                if settings["sample"]:
+                    torch.manual_seed(seed)
+                for row, (problem, generated) in enumerate(
+                    solve(model, tokenizer, policy, config, problems, log, progress)
+                ):
+                    tokens = generated.pop("tokens")
+                    prediction = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                    answer = str(problem[task["answer"]])
+                    outputs.append({
+                        "id": problem[task["id"]] if task["id"] else row,
+                        **({"sample": sample, "seed": seed} if settings["sample"] else {}),
+                        "prediction": prediction, "answer": answer, "final_answer": final_answer(task, prediction),
+                        "scores": scores(task, prediction, answer), **generated, "token_ids": tokens,
+                    })  # fmt: skip
         fields = {
             "metrics": {key: statistics.fmean(o["scores"][key] for o in outputs) for key in SCORES},
             "n_samples": len(outputs),
@@ -302,9 +301,8 @@ def full_solutions(model: Any, tokenizer: Any, config: Mapping[str, Any]) -> lis
     if key not in _FULL:
         problems = read_problems(reference)
         log = generation.GenerationLog(max_new_tokens=task["max_new_tokens"])
-        progress = generation.Progress(len(problems), f"the full cache's {task['name']}", "solution")
-        solved = solve(model, tokenizer, Full(), reference, problems, log, progress)
-        progress.close()
+        with generation.Progress(len(problems), f"the full cache's {task['name']}", "solution") as progress:
+            solved = solve(model, tokenizer, Full(), reference, problems, log, progress)
         _FULL[key] = [
             {"final_answer": final_answer(task, tokenizer.decode(row["tokens"], skip_special_tokens=True).strip()),
              "token_ids": row["tokens"]}

@@ -145,46 +145,45 @@ class SummarisationRunner(Runner):
         device = next(model.parameters()).device
         log = generation.GenerationLog(max_new_tokens=max_new_tokens)
         outputs: list[dict[str, Any]] = []
-        progress = generation.Progress(len(indices), f"generating {task['name']}", "document")
-        batch_size = config["batch_size"]
-        for start in range(0, len(indices), batch_size):
-            rows = slice(start, start + batch_size)
-            batch = generation.make_batch(
-                contexts[rows], questions[rows], tokenizer.pad_token_id, device, split=protocol == "context"
-            )
-            torch.manual_seed(config["seed"] + start)
-            generated = generation.run_batch(
-                model,
-                policy,
-                batch,
-                log,
-                tokenizer,
-                protocol=protocol,
-                kernels=config["kernels"],
-                decoding=config["decoding"],
-                graphs=config["graphs"],
-                interval=configured_interval(config, policy),
-                max_new_tokens=max_new_tokens,
-                do_sample=settings["sample"],
-                temperature=settings["temperature"] if settings["sample"] else None,
-                top_p=settings["top_p"] if settings["sample"] else None,
-                top_k=None,
-                stop_strings=[form["stop"]],
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            for row, index in zip(generated, indices[rows], strict=True):
-                text = tokenizer.decode(row.pop("tokens"), skip_special_tokens=True).split(form["stop"])[0].strip()
-                document = documents[index]
-                outputs.append(
-                    {
-                        "id": document[form["fields"]["id"]],
-                        "prediction": text,
-                        "reference": document[form["fields"]["summary"]],
-                        **row,
-                    }
+        with generation.Progress(len(indices), f"generating {task['name']}", "document") as progress:
+            batch_size = config["batch_size"]
+            for start in range(0, len(indices), batch_size):
+                rows = slice(start, start + batch_size)
+                batch = generation.make_batch(
+                    contexts[rows], questions[rows], tokenizer.pad_token_id, device, split=protocol == "context"
                 )
-            progress.update(len(generated))
-        progress.close()
+                torch.manual_seed(config["seed"] + start)
+                generated = generation.run_batch(
+                    model,
+                    policy,
+                    batch,
+                    log,
+                    tokenizer,
+                    protocol=protocol,
+                    kernels=config["kernels"],
+                    decoding=config["decoding"],
+                    graphs=config["graphs"],
+                    interval=configured_interval(config, policy),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=settings["sample"],
+                    temperature=settings["temperature"] if settings["sample"] else None,
+                    top_p=settings["top_p"] if settings["sample"] else None,
+                    top_k=None,
+                    stop_strings=[form["stop"]],
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                for row, index in zip(generated, indices[rows], strict=True):
+                    text = tokenizer.decode(row.pop("tokens"), skip_special_tokens=True).split(form["stop"])[0].strip()
+                    document = documents[index]
+                    outputs.append(
+                        {
+                            "id": document[form["fields"]["id"]],
+                            "prediction": text,
+                            "reference": document[form["fields"]["summary"]],
+                            **row,
+                        }
+                    )
+                progress.update(len(generated))
         scores = rouge([o["prediction"] for o in outputs], [o["reference"] for o in outputs])
         for output, score in zip(outputs, scores, strict=True):
             output["scores"] = score
