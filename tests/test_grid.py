@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import weakref
 
 import pytest
@@ -498,6 +499,46 @@ def test_the_grid_writes_the_records_a_run_would(data_dir, tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         grid.main(sweep)
     assert "13 cells, 13 with records, 0 to compute, 2 refused" in capsys.readouterr().out
+
+
+def test_a_second_grid_over_cells_in_progress_waits_and_takes_their_records(data_dir, tmp_path, monkeypatch, capsys):
+    """Two grids over the same cells (two lanes, or two nodes sharing a folder): the second, started while the first
+    computes them, waits for the group's lock, then takes the records the first wrote; the cells are computed once."""
+    import threading
+
+    from h2o_eval import run
+
+    monkeypatch.chdir(tmp_path)
+    sweep = ["model=tiny-llama", "task=niah_single_1", "task.length=600", "++task.max_new_tokens=4", "limit=2"]
+    sweep += ["batch_size=2", f"data_dir={data_dir}", "results_dir=shared", "wandb.mode=disabled"]
+    sweep += ["policy=h2o,knorm", "budget=0.5", "protocol=context"]
+    computed, inside, scanned, compute, groups = [], threading.Event(), threading.Event(), run.compute, grid.groups
+
+    def computing(specs, *args):
+        computed.append(len(specs))
+        inside.set()
+        assert scanned.wait(60), "the second grid never looked at the records"
+        time.sleep(0.5)  # the second grid reaches the lock while this one holds it
+        return compute(specs, *args)
+
+    def grouping(todo):
+        if inside.is_set():
+            scanned.set()  # the second grid found no records: it will compute them, or wait for them
+        return groups(todo)
+
+    monkeypatch.setattr(run, "compute", computing)
+    monkeypatch.setattr(grid, "groups", grouping)
+    lanes = [threading.Thread(target=grid.main, args=(sweep,)) for _ in range(2)]
+    lanes[0].start()
+    assert inside.wait(60)
+    lanes[1].start()
+    for lane in lanes:
+        lane.join(120)
+    out = capsys.readouterr().out
+    assert computed == [2], computed
+    assert out.count("2 cells, 0 with records, 2 to compute") == 2
+    assert out.count("was written meanwhile") == 2 and out.count("waiting: another process") >= 1
+    assert len(list((tmp_path / "shared").glob("*.json"))) == 2
 
 
 def test_the_grid_refuses_bad_names_in_one_line(data_dir, tmp_path, capsys):
