@@ -729,9 +729,10 @@ def test_a_folder_of_nothing_readable_names_the_files_it_skipped_and_the_earlier
     assert f"the figures in {out} are an earlier plot's" in err
 
 
-def provenance_record(folder, name, commit, dirty, created, wall, threads=1, **overrides):
+def provenance_record(folder, name, commit, dirty, created, wall, threads=1, cpu=None, **overrides):
     """A record of niah_single_1 at 4096 tokens computed at ``commit`` (``dirty``), ending at ``created`` after
-    ``wall`` seconds, under torch ``threads``; ``overrides``: its other settings."""
+    ``wall`` seconds (``cpu`` CPU seconds; None: a record older than them), under torch ``threads``;
+    ``overrides``: its other settings."""
     record = fake_record(
         "niah_single_1", "h2o", 0.5, 0.5, created=created, protocol="context",
         settings={"task.length": 4096, "decoding": "grow", **overrides},
@@ -743,16 +744,18 @@ def provenance_record(folder, name, commit, dirty, created, wall, threads=1, **o
         "load_seconds": 2.0,
         "threads": {"torch": threads, "blas": [threads], "numba": threads, "threads": threads},
         "versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0", "lm_eval": "0.4.13"},
-    }
+    } | ({} if cpu is None else {"cpu_seconds": cpu})
     results.write_record(folder / f"{name}.json", record)
 
 
 def test_provenance_tells_per_commit_its_records_times_threads_and_versions_and_the_settings_shared_or_varying(
     tmp_path, capsys
 ):
-    provenance_record(tmp_path, "a", "a", False, "2026-11-25T10:10:00+00:00", 600.0, **{"task.questions": 4})
+    provenance_record(tmp_path, "a", "a", False, "2026-11-25T10:10:00+00:00", 600.0, cpu=550.0, **{"task.questions": 4})
     provenance_record(tmp_path, "b", "a", True, "2026-11-25T10:20:00+00:00", 300.0, threads=2, **{"task.questions": 4})
-    provenance_record(tmp_path, "c", "b", False, "2026-11-25T12:00:00+00:00", 3600.0, **{"task.questions": 1})
+    provenance_record(
+        tmp_path, "c", "b", False, "2026-11-25T12:00:00+00:00", 3600.0, cpu=3400.0, **{"task.questions": 1}
+    )
     out = tmp_path / "tables"
     plot.main([str(tmp_path), "--provenance", "--out", str(out)])
     text = (out / "PROVENANCE.md").read_text()
@@ -764,14 +767,17 @@ def test_provenance_tells_per_commit_its_records_times_threads_and_versions_and_
         next(line for line in lines if line.startswith(start)) for start in ("| aaa", "| bbb", "| **all")
     )
     assert aaa == (
-        "| aaaaaaa | 2 | 1 | 2026-11-25 10:10 | 2026-11-25 10:20 | 900 s | 4 s | 1,200 s | 1 (1), 2 (1) "
+        "| aaaaaaa | 2 | 1 | 2026-11-25 10:10 | 2026-11-25 10:20 | 900 s | 550 s (1 without) | 4 s | 1,200 s "
+        "| 1 (1), 2 (1) "
         "| 2.13.0+cpu | 5.24.0 | 0.4.13 | tiny-llama |"
     )
     assert bbb == (
-        "| bbbbbbb | 1 | 0 | 2026-11-25 12:00 | 2026-11-25 12:00 | 3,600 s (1.0 h) | 2 s | 3,600 s (1.0 h) | 1 "
-        "| 2.13.0+cpu | 5.24.0 | 0.4.13 | tiny-llama |"
+        "| bbbbbbb | 1 | 0 | 2026-11-25 12:00 | 2026-11-25 12:00 | 3,600 s (1.0 h) | 3,400 s | 2 s "
+        "| 3,600 s (1.0 h) | 1 | 2.13.0+cpu | 5.24.0 | 0.4.13 | tiny-llama |"
     )
-    assert total.startswith("| **all** | 3 | 1 | 2026-11-25 10:10 | 2026-11-25 12:00 | 4,500 s (1.2 h) | 6 s ")
+    assert total.startswith(
+        "| **all** | 3 | 1 | 2026-11-25 10:10 | 2026-11-25 12:00 | 4,500 s (1.2 h) | 3,950 s (1.1 h) (1 without) | 6 s "
+    )
     assert "| 7,200 s (2.0 h) | 1 (2), 2 (1) |" in total  # 10:00 (the first start) to 12:00
     assert "| aaaaaaa | tiny-llama | 2 | niah_single_1 | h2o | 0.5 |" in lines
     shared = lines[lines.index("Every record:") + 2 : lines.index("Varying, with the number of records of each value:")]

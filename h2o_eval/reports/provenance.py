@@ -43,6 +43,13 @@ def _span(records: list[dict[str, Any]]) -> float:
     return (max(_utc(r["created"]) for r in records) - min(starts)).total_seconds()
 
 
+def _cpu(records: list[dict[str, Any]]) -> str:
+    """The records' summed ``cpu_seconds``, and how many hold none (they predate it)."""
+    held = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
+    missing = len(records) - len(held)
+    return _duration(sum(held)) + (f" ({missing} without)" if missing else "") if held else "–"
+
+
 def _commit_row(commit: str, records: list[dict[str, Any]]) -> str:
     created = sorted(_utc(r["created"]) for r in records)
     dirty = sum((r.get("git") or {}).get("dirty") is True for r in records)
@@ -55,6 +62,7 @@ def _commit_row(commit: str, records: list[dict[str, Any]]) -> str:
         f"{created[0]:%Y-%m-%d %H:%M}",
         f"{created[-1]:%Y-%m-%d %H:%M}",
         _duration(sum(r.get("wall_seconds") or 0.0 for r in records)),
+        _cpu(records),
         _duration(sum(r.get("load_seconds") or 0.0 for r in records)),
         _duration(_span(records)),
         _counted([(r.get("threads") or {}).get("torch") for r in records]),
@@ -66,12 +74,11 @@ def _commit_row(commit: str, records: list[dict[str, Any]]) -> str:
 
 def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> str:
     """Where ``records`` (read from ``source``, those of the ``--task``/``--model`` options in ``chosen``) came
-    from, as Markdown: per commit (the oldest first) how many
-    records it computed, how many of them with a dirty tree, the first and last ``created``, the summed
-    ``wall_seconds`` and ``load_seconds`` and the elapsed span, the torch threads, the versions of torch,
-    transformers and lm_eval and the models; then what each commit computed; then the settings every record
-    shares and those that vary, with their counts. Everything is read from the records, so regenerating it from
-    the same records writes the same file."""
+    from, as Markdown: per commit (the oldest first) how many records it computed, how many of them with a dirty
+    tree, the first and last ``created``, the summed ``wall_seconds``, ``cpu_seconds`` and ``load_seconds`` and the
+    elapsed span, the torch threads, the versions of torch, transformers and lm_eval and the models; then what each
+    commit computed; then the settings every record shares and those that vary, with their counts. Everything is
+    read from the records, so regenerating it from the same records writes the same file."""
     if not records:
         raise ValueError(f"no records in {source}: nothing to tell the provenance of")
     by_commit: dict[str, list[dict[str, Any]]] = {}
@@ -86,7 +93,8 @@ def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> 
         "",
         f"Generated from the records by `python -m h2o_eval.plot {source}{chosen} --provenance`: every entry is "
         "read from "
-        "the records (`git`, `created`, `wall_seconds`, `load_seconds`, `threads`, `versions`, `config`). "
+        "the records (`git`, `created`, `wall_seconds`, `cpu_seconds`, `load_seconds`, `threads`, `versions`, "
+        "`config`). "
         "Regenerate it; never edit it.",
         "",
         f"{len(records)} records, computed at {len(commits)} commit{'s' if len(commits) != 1 else ''} ({dirty} of "
@@ -95,13 +103,14 @@ def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> 
         "## Commits",
         "",
         "Times are UTC. Run time is the records' summed `wall_seconds` (a grid's cells share their run time); "
-        "load is the summed `load_seconds` (a grid's cells share one model load, counted once per cell); elapsed "
-        "runs from the first record's start to the last one's end, overlapping runs counted once. Threads: "
+        "CPU time their summed `cpu_seconds` (the process's CPU time, shared alike; records older than it hold "
+        "none); load is the summed `load_seconds` (a grid's cells share one model load, counted once per cell); "
+        "elapsed runs from the first record's start to the last one's end, overlapping runs counted once. Threads: "
         "torch's intra-op threads per process.",
         "",
-        "| commit | records | dirty | first created | last created | run time | load | elapsed | threads "
+        "| commit | records | dirty | first created | last created | run time | CPU time | load | elapsed | threads "
         "| " + " | ".join(PROVENANCE_VERSIONS) + " | models |",
-        "|---|---:|---:|---|---|---:|---:|---:|---|---|---|---|---|",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---|---|---|---|---|",
         *(_commit_row(commit, by_commit[commit]) for commit in commits),
         _commit_row("**all**", records),
         "",
