@@ -36,9 +36,12 @@ def _interpreted_dot_of_bfloat16(create_dot):
 
 interpreter.InterpreterBuilder.create_dot = _interpreted_dot_of_bfloat16(interpreter.InterpreterBuilder.create_dot)
 
-# Under pytest-xdist (-n N) each worker takes its share of the cores, so N workers do not oversubscribe them.
+# Under pytest-xdist (-n N) each worker takes its share of the cores, torch's and numba's kernels alike (numba's
+# OpenMP threads otherwise default to every core, and spin between kernels), so N workers do not oversubscribe them.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    from h2o_eval import threads
+
+    threads.apply(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from h2o_eval.eviction import Chunk  # noqa: E402
 from h2o_eval.policies import POLICIES, Rule, configured_policy, example_policy  # noqa: E402
