@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 from h2o_eval.errors import ConfigError
@@ -105,13 +104,13 @@ def main(argv: list[str]) -> None:
     """Compose every cell (an unknown name or a typo stops all) and validate each: under ``on_error=stop`` an
     invalid cell stops the grid before anything runs, one line per invalid cell; under ``on_error=skip`` the
     invalid ones are refused (a line each, and exit status 1 at the end) and the others run. Cells with records
-    are skipped, the rest computed. A group of cells is locked while it is computed (each record's
-    :func:`~h2o_eval.results.exclusive` lock): a second grid over the same cells, in a lane or on another node
+    are skipped, the rest computed. A group of cells is locked while it is computed
+    (:func:`~h2o_eval.run.computed_once`): a second grid over the same cells, in a lane or on another node
     sharing the folder, waits for it, then takes the records it wrote and computes only what is left."""
     from h2o_eval import results
     from h2o_eval.errors import fail
     from h2o_eval.names import expand, unknown_keys, unknown_names
-    from h2o_eval.run import compute, execute, existing, summary_line, validate
+    from h2o_eval.run import computed_once, execute, existing, summary_line, validate
 
     overrides = preset_sweep(argv)
     if unknown := unknown_names(overrides) or unknown_keys(overrides):
@@ -145,19 +144,11 @@ def main(argv: list[str]) -> None:
         if len(group) == 1:
             done.append((group[0], execute(group[0])[1]))
             continue
-        with ExitStack() as locks:  # another grid computing these cells: wait for it, then take what it wrote
-            for path in sorted(spec.path for spec in group):  # one order in every process: no deadlock
-                locks.enter_context(results.exclusive(path))
-            left = []
-            for spec in group:
-                if (record := existing(spec.config, spec.path)) is None:
-                    left.append(spec)
-                else:
-                    print(f"skipped: {results.stored(spec.path)} was written meanwhile")
-                    done.append((spec, record))
-            if left:
-                print(f"{len(left)} cells of {left[0].config['task']['name']} share their prompts")
-                done += zip(left, compute(left), strict=True)
+        print(f"{len(group)} cells of {group[0].config['task']['name']} share their prompts")
+        for spec, (status, record) in zip(group, computed_once(group), strict=True):
+            if status == "skipped":  # another grid computed it while this one waited
+                print(f"skipped: {results.stored(spec.path)} was written meanwhile")
+            done.append((spec, record))
     if done:
         print("\n".join(["summary:", *(summary_line(record, spec.departures) for spec, record in done)]))
     if refused:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 import traceback
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -135,19 +135,31 @@ def execute(
     """Run a validated run: its record is computed (``"ran"``) or was there (``"skipped"``); returns which, and
     the record.
 
-    Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip. A computed
-    run removes the failure record an earlier failure of its settings as ``given`` left (:func:`record_failure`).
+    Concurrent runs of one setting (parallel sweep jobs) compute it once: the others wait, then skip
+    (:func:`computed_once`). A computed run removes the failure record an earlier failure of its settings as
+    ``given`` left (:func:`record_failure`).
     """
-    path = spec.path
-    with results.exclusive(path):
-        if (record := existing(spec.config, path)) is not None:
-            print(f"skipped: {results.stored(path)} exists (overwrite=true reruns it)")
-            print(summary_line(record, spec.departures))
-            return "skipped", record
-        record = compute([spec], work_dir)[0]
-    if given is not None:
+    [(status, record)] = computed_once([spec], work_dir)
+    if status == "skipped":
+        print(f"skipped: {results.stored(spec.path)} exists (overwrite=true reruns it)")
+        print(summary_line(record, spec.departures))
+    elif given is not None:
         failure_path(given).unlink(missing_ok=True)
-    return "ran", record
+    return status, record
+
+
+def computed_once(specs: list[Spec], work_dir: Path | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Per cell of ``specs`` (computed together, :func:`compute`), ``"ran"`` or ``"skipped"`` (its record was
+    there) and its record, under each record's :func:`~h2o_eval.results.exclusive` lock, taken in one order in every
+    process: a process given cells another is computing waits, then takes the records it wrote and computes only
+    what is left."""
+    with ExitStack() as locks:
+        for path in sorted(spec.path for spec in specs):
+            locks.enter_context(results.exclusive(path))
+        found = [existing(spec.config, spec.path) for spec in specs]
+        left = [spec for spec, record in zip(specs, found, strict=True) if record is None]
+        computed = iter(compute(left, work_dir) if left else [])
+        return [("skipped", record) if record is not None else ("ran", next(computed)) for record in found]
 
 
 def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, Any]]:
