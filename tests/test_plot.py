@@ -729,22 +729,26 @@ def test_a_folder_of_nothing_readable_names_the_files_it_skipped_and_the_earlier
     assert f"the figures in {out} are an earlier plot's" in err
 
 
-def provenance_record(folder, name, commit, dirty, created, wall, threads=1, cpu=None, **overrides):
+def provenance_record(folder, name, commit, dirty, created, wall, threads=1, cpu=None, fields=None, **overrides):
     """A record of niah_single_1 at 4096 tokens computed at ``commit`` (``dirty``), ending at ``created`` after
-    ``wall`` seconds (``cpu`` CPU seconds; None: a record older than them), under torch ``threads``;
-    ``overrides``: its other settings."""
+    ``wall`` seconds (``cpu`` CPU seconds; None: a record older than them), under torch ``threads``, with the
+    record's ``fields``; ``overrides``: its other settings."""
     record = fake_record(
         "niah_single_1", "h2o", 0.5, 0.5, created=created, protocol="context",
         settings={"task.length": 4096, "decoding": "grow", **overrides},
     )  # fmt: skip
-    record |= {
-        "length": 4096,
-        "git": {"commit": commit * 40, "dirty": dirty},
-        "wall_seconds": wall,
-        "load_seconds": 2.0,
-        "threads": {"torch": threads, "blas": [threads], "numba": threads, "threads": threads},
-        "versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0", "lm_eval": "0.4.13"},
-    } | ({} if cpu is None else {"cpu_seconds": cpu})
+    record |= (
+        {
+            "length": 4096,
+            "git": {"commit": commit * 40, "dirty": dirty},
+            "wall_seconds": wall,
+            "load_seconds": 2.0,
+            "threads": {"torch": threads, "blas": [threads], "numba": threads, "threads": threads},
+            "versions": {"torch": "2.13.0+cpu", "transformers": "5.24.0", "lm_eval": "0.4.13"},
+        }
+        | ({} if cpu is None else {"cpu_seconds": cpu})
+        | (fields or {})
+    )
     results.write_record(folder / f"{name}.json", record)
 
 
@@ -785,6 +789,24 @@ def test_provenance_tells_per_commit_its_records_times_threads_and_versions_and_
     assert "- task.questions: 4 questions per context (2), 1 question per context (1)" in lines
     plot.main([str(tmp_path), "--provenance", "--out", str(out)])
     assert (out / "PROVENANCE.md").read_text() == text  # regenerated from the same records: the same file
+
+
+def test_provenance_names_the_commit_a_resumed_run_began_at_and_the_answers_it_took_up(tmp_path, capsys):
+    """A run that took up a stopped run's answers (generation.resumed) computed them at the commit that run began
+    at: the provenance says so, where it would otherwise credit the finishing commit with every answer."""
+    resumed = {"answers": 29, "cpu_seconds": 147.5, "wall_seconds": 177.6, "git": {"commit": "c" * 40, "dirty": True}}
+    fields = {"generation": {"resumed": resumed}}
+    for name in ("a", "b"):
+        provenance_record(tmp_path, name, "b", False, "2026-11-25T12:00:00+00:00", 60.0, cpu=50.0, fields=fields)
+    out = tmp_path / "tables"
+    plot.main([str(tmp_path), "--provenance", "--out", str(out)])
+    lines = (out / "PROVENANCE.md").read_text().splitlines()
+    assert lines[lines.index("## Resumed runs") + 6 :][:1] == ["| bbbbbbb | ccccccc (dirty) | 2 | 29 |"]
+    provenance_record(tmp_path, "a", "b", False, "2026-11-25T12:00:00+00:00", 60.0, cpu=50.0)
+    provenance_record(tmp_path, "b", "b", False, "2026-11-25T12:00:00+00:00", 60.0, cpu=50.0)
+    plot.main([str(tmp_path), "--provenance", "--out", str(out)])
+    assert "## Resumed runs" not in (out / "PROVENANCE.md").read_text()  # no record resumed: no section
+    capsys.readouterr()
 
 
 def test_provenance_of_a_folder_without_records_is_refused_in_one_line(tmp_path, capsys):

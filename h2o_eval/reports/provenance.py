@@ -77,8 +77,9 @@ def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> 
     from, as Markdown: per commit (the oldest first) how many records it computed, how many of them with a dirty
     tree, the first and last ``created``, the summed ``wall_seconds``, ``cpu_seconds`` and ``load_seconds`` and the
     elapsed span, the torch threads, the versions of torch, transformers and lm_eval and the models; then what each
-    commit computed; then the settings every record shares and those that vary, with their counts. Everything is
-    read from the records, so regenerating it from the same records writes the same file."""
+    commit computed; the runs that took up a stopped run's answers; then the settings every record shares and those
+    that vary, with their counts. Everything is read from the records, so regenerating it from the same records
+    writes the same file."""
     if not records:
         raise ValueError(f"no records in {source}: nothing to tell the provenance of")
     by_commit: dict[str, list[dict[str, Any]]] = {}
@@ -129,8 +130,38 @@ def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> 
                 f"| {commit} | {model} | {len(mine)} | {', '.join(tasks)} | {', '.join(policies)} "
                 f"| {', '.join(f'{b:g}' for b in budgets)} |"
             )
-    lines += ["", "## Settings", "", *_settings_lines(records)]
+    lines += [*_resumed_lines(records), "", "## Settings", "", *_settings_lines(records)]
     return "\n".join(lines) + "\n"
+
+
+def _resumed_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The records whose run took up the answers a stopped run had left (``generation.resumed``): per commit that
+    finished them and commit the stopped run began at (its tree dirty or not), how many records and how many answers
+    each took up; nothing where no record was resumed."""
+    runs: Counter = Counter()
+    for record in records:
+        earlier = (record.get("generation") or {}).get("resumed")
+        if not earlier:
+            continue
+        finished, began = record.get("git") or {}, earlier.get("git") or {}
+        runs[(
+            (finished.get("commit") or "unknown")[:7],
+            (began.get("commit") or "unknown")[:7] + (" (dirty)" if began.get("dirty") else ""),
+            earlier.get("answers"),
+        )] += 1  # fmt: skip
+    if not runs:
+        return []
+    return [
+        "",
+        "## Resumed runs",
+        "",
+        "Records whose run took up the answers a stopped run had left: the answers it kept were computed at the "
+        "commit that run began at, the rest at the record's own.",
+        "",
+        "| commit | begun at | records | answers taken up per record |",
+        "|---|---|---:|---:|",
+        *(f"| {finished} | {began} | {n} | {answers} |" for (finished, began, answers), n in sorted(runs.items())),
+    ]
 
 
 def _settings_lines(records: list[dict[str, Any]]) -> list[str]:
