@@ -182,7 +182,8 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
 
     def partial(group: list[Spec]) -> Partial:  # where the answers so far are kept (generation/partial.py)
         paths = [spec.path for spec in group]
-        return Partial(results.partial_path(paths, group[0].config), [path.name for path in paths], git)
+        made = {"device": str(device), "threads": applied_threads["torch"]}
+        return Partial(results.partial_path(paths, group[0].config), [path.name for path in paths], git, made)
 
     if len(cells) > 1 and all(runner.shares_prompts(config) for _, config in cells):
         peak = PeakMemory(device)  # one peak for the cells evaluated together

@@ -789,3 +789,26 @@ def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_un
     grid.main([*args, "policy=full,h2o,knorm", "results_dir=cut"])
     assert f"partial answers {kept} unreadable" in capsys.readouterr().err
     assert len(saves) == 8 + 5 + 8 and sorted(read("cut")) == sorted(whole)
+
+
+def test_answers_kept_on_another_device_or_thread_count_are_started_over_and_older_files_taken_up(tmp_path, capsys):
+    """device=auto and an unset thread count resolve differently on different machines, and either may change an
+    answer's rounding: a run takes up the answers of a stopped run made as it is made, or of a file older than the
+    field, and starts over, in one line, those made on another device or with other threads."""
+    from h2o_eval.generation.partial import Partial
+
+    path, names, cpu = tmp_path / "partial" / "a.pkl", ["r1.json", "r2.json"], {"device": "cpu", "threads": 1}
+
+    def kept(made, **saved):
+        Partial(path, names, made=saved.get("saved", cpu)).save(1, {("context", 0)}, [["a"], ["b"]])
+        return Partial(path, list(reversed(names)), made=made).load(1)
+
+    assert kept(dict(cpu)).answers == [["b"], ["a"]]
+    assert kept(cpu, saved=None).answers == [["b"], ["a"]]  # a file written before the field
+    assert capsys.readouterr().err == ""
+    assert kept({"device": "cuda:0", "threads": 1}) is None
+    assert kept({"device": "cpu", "threads": 2}) is None
+    assert capsys.readouterr().err.splitlines() == [
+        f"partial answers {path} answered with cpu, 1 thread, and this run has cuda:0, 1 thread: starting over",
+        f"partial answers {path} answered with cpu, 1 thread, and this run has cpu, 2 threads: starting over",
+    ]

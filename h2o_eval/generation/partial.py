@@ -7,8 +7,9 @@ new file renamed over the old) after each batch; the run that writes the records
 and log) under its record's name, the batch size and which batches are done, and what the runs before spent, so
 that the record counts every run's time (``generation.resumed``). Its name is a hash of the cells' record names
 and of the settings outside their identity that may change an answer (:func:`h2o_eval.results.partial_path`): a
-run of other settings never reads it. A file that cannot be read, or that holds other cells or larger batches than
-fit now, is started over, with a line that says so.
+run of other settings never reads it. A file that cannot be read, or that holds other cells, larger batches than fit
+now, or answers computed on another device or with another number of threads (``device=auto`` and ``threads``
+unset resolve differently on different machines), is started over, with a line that says so.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Earlier:
     """What the runs before this one answered and spent: per cell (``names``: the records', in the order of
     ``answers``) its answers so far; ``size``: the documents (or prompts) they answered a batch; ``batches``
     done, as (protocol, first unit); the CPU and wall seconds they spent answering (all cells); ``git``: the commit
-    the first of them ran."""
+    the first of them ran; ``made``: the device and threads they ran on (None: a file older than that field)."""
 
     names: list[str]
     size: int
@@ -40,15 +41,19 @@ class Earlier:
     wall_seconds: float
     git: Any
     version: int = VERSION
+    made: dict[str, Any] | None = None
 
 
 class Partial:
     """The answers so far of the cells ``names`` (their records' file names, in the order they are answered) at
     ``path`` (None: kept nowhere): :meth:`load` what a stopped run left, :meth:`save` after each batch,
-    :meth:`finish` once the records are written. ``git``: this run's commit."""
+    :meth:`finish` once the records are written. ``git``: this run's commit; ``made``: the device and threads it
+    runs on, resolved (``{"device": "cpu", "threads": 1}``)."""
 
-    def __init__(self, path: Path | None, names: list[str] | None = None, git: Any = None) -> None:
-        self.path, self.names, self.git = path, list(names or []), git
+    def __init__(
+        self, path: Path | None, names: list[str] | None = None, git: Any = None, made: dict[str, Any] | None = None
+    ) -> None:
+        self.path, self.names, self.git, self.made = path, list(names or []), git, made
         self.earlier: Earlier | None = None
         self.began_cpu, self.began_wall = time.process_time(), time.perf_counter()
 
@@ -67,6 +72,8 @@ class Partial:
                 reason = "of other cells"
             elif earlier.size > size:
                 reason = f"answered {earlier.size} a batch, and {size} fit now"
+            elif None not in (earlier.made, self.made) and earlier.made != self.made:
+                reason = f"answered with {_made(earlier.made)}, and this run has {_made(self.made)}"
         except Exception as error:  # a file cut short, or of classes that have changed since
             reason = f"unreadable ({type(error).__name__}: {error})"
         if reason is not None:
@@ -83,7 +90,9 @@ class Partial:
         if self.path is None:
             return
         first = self.earlier.git if self.earlier is not None else self.git
-        earlier = Earlier(self.names, size, set(batches), answers, self.cpu_seconds(), self.wall_seconds(), first)
+        earlier = Earlier(
+            self.names, size, set(batches), answers, self.cpu_seconds(), self.wall_seconds(), first, made=self.made
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
         try:
@@ -109,3 +118,9 @@ class Partial:
         """Remove the file: the records it was kept for are written."""
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+
+
+def _made(made: dict[str, Any]) -> str:
+    """``{"device": "cpu", "threads": 1}`` as "cpu, 1 thread"."""
+    threads = made.get("threads")
+    return f"{made.get('device')}, {threads} thread" + ("s" if threads != 1 else "")
