@@ -160,7 +160,10 @@ def _resumed_lines(records: list[dict[str, Any]]) -> list[str]:
         "",
         "| commit | begun at | records | answers taken up per record |",
         "|---|---|---:|---:|",
-        *(f"| {finished} | {began} | {n} | {answers} |" for (finished, began, answers), n in sorted(runs.items())),
+        *(
+            f"| {finished} | {began} | {n} | {answers} |"
+            for (finished, began, answers), n in sorted(runs.items(), key=str)
+        ),
     ]
 
 
