@@ -180,9 +180,10 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
     runner = specs[0].runner
     cells = [(spec.policy, spec.config) for spec in specs]
 
+    made = {"device": str(device), "threads": applied_threads["torch"]}  # what may change an answer's rounding
+
     def partial(group: list[Spec]) -> Partial:  # where the answers so far are kept (generation/partial.py)
         paths = [spec.path for spec in group]
-        made = {"device": str(device), "threads": applied_threads["torch"]}
         return Partial(results.partial_path(paths, group[0].config), [path.name for path in paths], git, made)
 
     if len(cells) > 1 and all(runner.shares_prompts(config) for _, config in cells):

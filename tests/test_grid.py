@@ -799,8 +799,8 @@ def test_answers_kept_on_another_device_or_thread_count_are_started_over_and_old
 
     path, names, cpu = tmp_path / "partial" / "a.pkl", ["r1.json", "r2.json"], {"device": "cpu", "threads": 1}
 
-    def kept(made, **saved):
-        Partial(path, names, made=saved.get("saved", cpu)).save(1, {("context", 0)}, [["a"], ["b"]])
+    def kept(made, saved=cpu):
+        Partial(path, names, made=saved).save(1, {("context", 0)}, [["a"], ["b"]])
         return Partial(path, list(reversed(names)), made=made).load(1)
 
     assert kept(dict(cpu)).answers == [["b"], ["a"]]

@@ -43,6 +43,12 @@ def _span(records: list[dict[str, Any]]) -> float:
     return (max(_utc(r["created"]) for r in records) - min(starts)).total_seconds()
 
 
+def _commit(git: dict[str, Any] | None) -> str:
+    """A record's (or a stopped run's) ``git`` as its commit's first 7 hex digits ("unknown" without one)."""
+    commit = (git or {}).get("commit")
+    return commit[:7] if commit else "unknown"
+
+
 def _cpu(records: list[dict[str, Any]]) -> str:
     """The records' summed ``cpu_seconds``, and how many hold none (they predate it)."""
     held = [r["cpu_seconds"] for r in records if r.get("cpu_seconds") is not None]
@@ -84,8 +90,7 @@ def provenance(records: list[dict[str, Any]], source: str, chosen: str = "") -> 
         raise ValueError(f"no records in {source}: nothing to tell the provenance of")
     by_commit: dict[str, list[dict[str, Any]]] = {}
     for record in records:
-        commit = (record.get("git") or {}).get("commit")
-        by_commit.setdefault(commit[:7] if commit else "unknown", []).append(record)
+        by_commit.setdefault(_commit(record.get("git")), []).append(record)
     commits = sorted(by_commit, key=lambda c: (min(_utc(r["created"]) for r in by_commit[c]), c))
     dirty = sum((r.get("git") or {}).get("dirty") is True for r in records)
     first, last = min(_utc(r["created"]) for r in records), max(_utc(r["created"]) for r in records)
@@ -143,12 +148,8 @@ def _resumed_lines(records: list[dict[str, Any]]) -> list[str]:
         earlier = (record.get("generation") or {}).get("resumed")
         if not earlier:
             continue
-        finished, began = record.get("git") or {}, earlier.get("git") or {}
-        runs[(
-            (finished.get("commit") or "unknown")[:7],
-            (began.get("commit") or "unknown")[:7] + (" (dirty)" if began.get("dirty") else ""),
-            earlier.get("answers"),
-        )] += 1  # fmt: skip
+        dirty = " (dirty)" if (earlier.get("git") or {}).get("dirty") else ""
+        runs[(_commit(record.get("git")), _commit(earlier.get("git")) + dirty, earlier.get("answers"))] += 1
     if not runs:
         return []
     return [
