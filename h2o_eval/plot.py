@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         help="long-context tasks: the mean over tasks per policy and compression ratio instead (table and figure)",
     )
     args = parser.parse_args(argv)
+    args.task, args.model = _names(args.task), _names(args.model)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -140,6 +141,14 @@ def _chosen_records(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]
         )
     for error in unreadable:
         print(f"warning: skipped {error}", file=sys.stderr)
+    tasks, models = {r["task"] for r in records}, {r["model"] for r in records}
+    lengths = {f"{r['task']}@{r.get('length')}" for r in records}
+    for option, names, known in (("task", args.task, tasks | lengths), ("model", args.model, models)):
+        if missing := [name for name in names or [] if name not in known]:
+            raise ValueError(
+                f"no record in {args.results_dir} of --{option} {' '.join(missing)}: its tasks are "
+                f"{', '.join(sorted(tasks))}, its models {', '.join(sorted(models))}"
+            )
     chosen = [
         r
         for r in records
@@ -149,10 +158,15 @@ def _chosen_records(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]
     if not chosen:
         raise ValueError(
             f"no record in {args.results_dir} of --task {' '.join(args.task or ['any'])} and --model "
-            f"{' '.join(args.model or ['any'])}: its tasks are {', '.join(sorted({r['task'] for r in records}))}, "
-            f"its models {', '.join(sorted({r['model'] for r in records}))}"
+            f"{' '.join(args.model or ['any'])} together: its tasks are {', '.join(sorted(tasks))}, its models "
+            f"{', '.join(sorted(models))}"
         )
     return chosen
+
+
+def _names(values: list[str] | None) -> list[str] | None:
+    """An option's names given apart (``--task a b``) or as Hydra lists them (``--task a,b``)."""
+    return None if values is None else [name for value in values for name in value.split(",") if name]
 
 
 def _headline(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -127,6 +127,25 @@ def test_cli_writes_figures_csv_and_markdown(results_dir, tmp_path, capsys):
     assert "xsum" not in markdown and "| copa |" in capsys.readouterr().out
 
 
+def test_tasks_named_as_hydra_lists_them_are_chosen_and_a_name_no_record_has_is_refused(results_dir, tmp_path, capsys):
+    """``--task copa,xsum`` chooses both tasks as ``--task copa xsum`` does; a misspelt name beside a right one is
+    refused in one line naming the tasks there are, instead of plotting the right one alone."""
+    for number, tasks in enumerate((["copa,xsum"], ["copa", "xsum"])):
+        plot.main([str(results_dir), "--task", *tasks, "--out", str(tmp_path / str(number))])
+    assert (tmp_path / "0" / "summary.md").read_text() == (tmp_path / "1" / "summary.md").read_text()
+    assert "| xsum |" in (tmp_path / "0" / "summary.md").read_text()
+    capsys.readouterr()
+    for option, names in (("--task", ["copa", "xsun"]), ("--model", ["tiny-lama"])):
+        with pytest.raises(SystemExit):
+            plot.main([str(results_dir), option, *names, "--out", str(tmp_path / "typo")])
+        error = capsys.readouterr().err
+        assert error == (
+            f"error: no record in {results_dir} of {option} {names[-1]}: its tasks are copa, xsum, its models "
+            "tiny-llama\n"
+        )
+    assert not (tmp_path / "typo").exists()
+
+
 def test_regenerated_figures_are_the_same_bytes_on_another_day(results_dir, tmp_path, monkeypatch):
     drawn = {}
     for day, epoch in enumerate(("0", "86400")):
