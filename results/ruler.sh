@@ -149,9 +149,12 @@ tables() {
             leaderboard | leaderboard_1q | board_1q)  # and per task: its figure, every cell's score, each policy paired against the full cache
                 python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --leaderboard
                 python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder/tasks"
-                # beside the one-question board: the shared-context board's records of the same model and tasks
+                # beside the one-question boards: the shared-context board's records of the same model and tasks
                 [ "$folder" != leaderboard_1q ] || python -m h2o_eval.plot "$out/leaderboard" --task niah_single_2 qa_1 \
-                    --model smollm2-135m --leaderboard --out "results/ruler/$folder/shared" ;;
+                    --model smollm2-135m --leaderboard --out "results/ruler/$folder/shared"
+                [ "$folder" != board_1q ] || python -m h2o_eval.plot "$out/leaderboard" --model smollm2-135m \
+                    --task "$(ls "$out/$folder" | sed -n 's/^smollm2-135m__\(.*\)-4096__.*\.json$/\1/p' | sort -u | paste -sd,)" \
+                    --leaderboard --out "results/ruler/$folder/shared" ;;
         esac
         # where the records came from (per commit: count, dates, machine time, threads, versions, settings)
         python -m h2o_eval.plot "$out/$folder" --out "results/ruler/$folder" --provenance
