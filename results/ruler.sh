@@ -27,8 +27,8 @@
 #                 qa_1), ONE_LIMIT documents (default 40): 12 policies, kvpress's other presses (issue 61) and the
 #                 board's kvpress/ configurations x 6 ratios (kvpress's 4, 0.9375 and 0.96875), and knorm at 5
 #                 thresholds; LANE=i/n splits its units
-#   board_1q      +experiment=kv_leaderboard as it is: RULER's 13 tasks, ONE_LIMIT documents (default 40),
-#                 BOARD_MODEL (default smollm2-135m); a unit is a task's 61 cells; LANE=i/n
+#   board_1q      +experiment=kv_leaderboard as it is: RULER's 13 tasks (or BOARD_TASKS=a,b), ONE_LIMIT documents
+#                 (default 40), BOARD_MODEL (default smollm2-135m); a unit is a task's 61 cells; LANE=i/n
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -129,10 +129,11 @@ board_1q() {
     # were copied there). A unit is a task: the preset's 61 cells share each document's prompt pass and decode
     # stacked (SmolLM2: 7.8 GB at peak). niah_single_1 and niah_multivalue's first 29 cells ran in quarters of the 16
     # policies, each paying the prompt pass: niah_single_1 took 2.70 CPU-hours, where the 61 cells' parts estimate 1.97.
-    # LANE=i/n runs every n-th task from the i-th; cells with records are skipped, and a unit stopped part way takes up
-    # its answers when run again.
-    local lane=${LANE:-0/1} unit=0 task
-    for task in ${board_tasks//,/ }; do
+    # LANE=i/n runs every n-th task from the i-th, of BOARD_TASKS (default: all 13, in board_tasks' order); cells with
+    # records are skipped, a unit stopped part way takes up its answers when run again, and a unit another lane is
+    # computing is waited for (its lock), then skipped.
+    local lane=${LANE:-0/1} unit=0 task tasks=${BOARD_TASKS:-$board_tasks}
+    for task in ${tasks//,/ }; do
         (( unit++ % ${lane#*/} == ${lane%/*} )) || continue
         grid +experiment=kv_leaderboard model="${BOARD_MODEL:-smollm2-135m}" task="$task" limit="${ONE_LIMIT:-40}" \
             batch_size=1 results_dir="$out/board_1q"
