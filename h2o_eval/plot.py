@@ -142,8 +142,9 @@ def _chosen_records(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]
     for error in unreadable:
         print(f"warning: skipped {error}", file=sys.stderr)
     tasks, models = {r["task"] for r in records}, {r["model"] for r in records}
-    lengths = {f"{r['task']}@{r.get('length')}" for r in records}
-    for option, names, known in (("task", args.task, tasks | lengths), ("model", args.model, models)):
+    named = [(r, {r["task"], f"{r['task']}@{r.get('length')}"}) for r in records]  # a task, or a task at a length
+    known_tasks = set().union(*(names for _, names in named))
+    for option, names, known in (("task", args.task, known_tasks), ("model", args.model, models)):
         if missing := [name for name in names or [] if name not in known]:
             raise ValueError(
                 f"no record in {args.results_dir} of --{option} {' '.join(missing)}: its tasks are "
@@ -151,9 +152,8 @@ def _chosen_records(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]
             )
     chosen = [
         r
-        for r in records
-        if (not args.task or r["task"] in args.task or f"{r['task']}@{r.get('length')}" in args.task)
-        and (not args.model or r["model"] in args.model)
+        for r, names in named
+        if (not args.task or names & set(args.task)) and (not args.model or r["model"] in args.model)
     ]
     if not chosen:
         raise ValueError(
