@@ -22,6 +22,16 @@ class CapacityLog:
         self.entries: list[float] = []  # per sequence: KV entries kept, summed over layers and KV heads
         self.entry_bytes = 0
 
+    def state(self) -> dict[str, Any]:
+        """What it logged, as JSON's types (:meth:`from_state` makes it again)."""
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> CapacityLog:
+        log = cls()
+        vars(log).update(state)
+        return log
+
     def add(self, cache: EvictionCache | Statistics) -> list[float]:
         """Log every sequence of a cache that has seen its prompt; returns each one's C (mean over layers and KV
         heads)."""

@@ -144,7 +144,7 @@ def record_path(results_dir: str | Path, config: dict[str, Any], ident: dict[str
 
 def partial_path(paths: list[Path], config: dict[str, Any]) -> Path:
     """Where cells computed together keep their answers so far (:mod:`h2o_eval.generation.partial`):
-    ``<results_dir>/partial/<hash>.pkl``, the hash of their records' names (their identities) and of the settings
+    ``<results_dir>/partial/<hash>.json``, the hash of their records' names (their identities) and of the settings
     outside the identity that may change an answer's rounding (batches, stacking, kernels, graphs, device, threads,
     ``decoding=interval``'s settings)."""
     outside = ("results_dir", "overwrite", "on_error", "wandb", "data_dir")
@@ -152,7 +152,7 @@ def partial_path(paths: list[Path], config: dict[str, Any]) -> Path:
         name: config.get(name) for name in NOT_IDENTITY if name not in outside
     }
     name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return Path(config["results_dir"]) / "partial" / f"{name}.pkl"
+    return Path(config["results_dir"]) / "partial" / f"{name}.json"
 
 
 def stored(path: Path) -> Path | None:

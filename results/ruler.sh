@@ -2,7 +2,8 @@
 # Every command behind results/ruler/ (RULER's thirteen tasks, the scorers of 2026, the leaderboard; see
 # results/README.md). Records go to RECORDS/<stage> (default results/ruler/records, which is committed: the tables
 # can be rebuilt from it anywhere, and a run of many hours can go on over several machines). Resumable: a setting
-# whose record exists is skipped, so run it again after any interruption.
+# whose record exists is skipped, so run it again after any interruption; a unit stopped part way left its answers in
+# RECORDS/<stage>/partial/ (JSON, not ignored by git there): commit them with the records to go on on another machine.
 #   bash results/ruler.sh [DATA_DIR] [RECORDS] [STAGE ...]
 # Each stage is one process of one thread at a time; on a 2-core machine run two lanes side by side, then tables:
 #   bash results/ruler.sh ../shared/data results/ruler/records scorers full floor &

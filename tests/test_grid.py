@@ -714,11 +714,12 @@ def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_un
     data_dir, tmp_path, monkeypatch, capsys
 ):
     """Reference: a grid of cells under two protocols (8 batches of one document) run through; implementation: the
-    same grid stopped after its 5th batch, then run again with its cells in another order and room for batches of 2.
-    The stopped run writes no record and leaves its answers under ``partial/``; the second takes them up in their
-    own batches of one, answers only the 3 batches left, says so, writes the records of the unstopped run (outputs,
-    scores, capacities, generation fields but time), counts the first run's time, and removes the file after the
-    records. A file cut short is started over, with a line that says so."""
+    same grid stopped after its 5th batch, then run again with its cells in another order and room for batches of 2,
+    into another folder that the stopped run's ``partial/`` was moved to (another machine's checkout of committed
+    records). The stopped run writes no record and leaves its answers under ``partial/``, as JSON; the second takes
+    them up in their own batches of one, answers only the 3 batches left, says so, writes the records of the
+    unstopped run (outputs, scores, capacities, generation fields but time), counts the first run's time, and removes
+    the file after the records. A file cut short is started over, with a line that says so."""
     from h2o_eval.generation.partial import Partial
 
     monkeypatch.chdir(tmp_path)
@@ -744,15 +745,18 @@ def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_un
     with pytest.raises(Stopped):
         grid.main([*args, "policy=full,h2o,knorm", "results_dir=stopped"])
     assert not list((tmp_path / "stopped").glob("*.json")), "a stopped run should write no record"
-    assert [p.name for p in (tmp_path / "stopped" / "partial").iterdir()] == [saves[0].name]
+    [kept] = (tmp_path / "stopped" / "partial").iterdir()
+    assert kept.name == saves[0].name and len(json.loads(kept.read_text())["answers"]) == 6
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "stopped" / "partial").rename(tmp_path / "moved" / "partial")
     stop = None
     capsys.readouterr()
     monkeypatch.setattr(generation, "fitting_rows", lambda asked, row_bytes, memory: 2)
-    grid.main([*args, "policy=knorm,h2o,full", "results_dir=stopped"])
+    grid.main([*args, "policy=knorm,h2o,full", "results_dir=moved"])
     assert len(saves) == 8, "the second run should answer only the 3 batches the first did not"
-    resumed = r"answering niah_single_1 x 6 cells: resumed from \S*stopped/partial/\w+\.pkl, 15 of 24 answers kept"
+    resumed = r"answering niah_single_1 x 6 cells: resumed from \S*moved/partial/\w+\.json, 15 of 24 answers kept"
     assert re.search(resumed, capsys.readouterr().err)
-    assert not list((tmp_path / "stopped" / "partial").iterdir()), "the partial answers should go with the run"
+    assert not list((tmp_path / "moved" / "partial").iterdir()), "the partial answers should go with the run"
 
     def read(folder):
         records = {}
@@ -762,7 +766,7 @@ def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_un
             records[path.name] = record, outputs
         return records
 
-    whole, again = read("whole"), read("stopped")
+    whole, again = read("whole"), read("moved")
     assert sorted(whole) == sorted(again) and len(whole) == 6
     timing = ("cpu_seconds", "generated_tokens_per_s", "resumed")
     for name, (record, outputs) in whole.items():
@@ -791,24 +795,30 @@ def test_a_stopped_grid_resumes_from_its_last_batch_and_writes_the_records_an_un
     assert len(saves) == 8 + 5 + 8 and sorted(read("cut")) == sorted(whole)
 
 
-def test_answers_kept_on_another_device_or_thread_count_are_started_over_and_older_files_taken_up(tmp_path, capsys):
+def test_answers_kept_on_another_device_or_thread_count_or_as_a_pickle_are_started_over(tmp_path, capsys):
     """device=auto and an unset thread count resolve differently on different machines, and either may change an
-    answer's rounding: a run takes up the answers of a stopped run made as it is made, or of a file older than the
-    field, and starts over, in one line, those made on another device or with other threads."""
+    answer's rounding: a run takes up the answers of a stopped run made as it is made, and starts over, in one line,
+    those made on another device or with other threads, and a file an older h2o_eval pickled (never unpickled: it
+    could run code), which it removes."""
     from h2o_eval.generation.partial import Partial
 
-    path, names, cpu = tmp_path / "partial" / "a.pkl", ["r1.json", "r2.json"], {"device": "cpu", "threads": 1}
+    path, names, cpu = tmp_path / "partial" / "a.json", ["r1.json", "r2.json"], {"device": "cpu", "threads": 1}
 
-    def kept(made, saved=cpu):
-        Partial(path, names, made=saved).save(1, {("context", 0)}, [["a"], ["b"]])
+    def kept(made):
+        Partial(path, names, made=cpu).save(1, {("context", 0)}, [["a"], ["b"]])
         return Partial(path, list(reversed(names)), made=made).load(1)
 
-    assert kept(dict(cpu)).answers == [["b"], ["a"]]
-    assert kept(cpu, saved=None).answers == [["b"], ["a"]]  # a file written before the field
+    earlier = kept(dict(cpu))
+    assert earlier.answers == [["b"], ["a"]] and earlier.batches == {("context", 0)}
     assert capsys.readouterr().err == ""
     assert kept({"device": "cuda:0", "threads": 1}) is None
     assert kept({"device": "cpu", "threads": 2}) is None
+    pickled = path.with_suffix(".pkl")
+    pickled.write_bytes(b"not to be unpickled")
+    path.unlink()
+    assert Partial(path, names, made=cpu).load(1) is None and not pickled.exists()
     assert capsys.readouterr().err.splitlines() == [
         f"partial answers {path} answered with cpu, 1 thread, and this run has cuda:0, 1 thread: starting over",
         f"partial answers {path} answered with cpu, 1 thread, and this run has cpu, 2 threads: starting over",
+        f"partial answers {pickled} kept by an older h2o_eval: starting over",
     ]

@@ -61,6 +61,14 @@ class Answers:
     log: GenerationLog
     rows: list[tuple[int, int, dict[str, Any]]] = field(default_factory=list)
 
+    def state(self) -> dict[str, Any]:
+        """Its rows and log as JSON's types, kept after every batch (:mod:`~h2o_eval.generation.partial`)."""
+        return {"log": self.log.state(), "rows": [list(row) for row in self.rows]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Answers:
+        return cls(GenerationLog.from_state(state["log"]), [(d, k, fields) for d, k, fields in state["rows"]])
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -98,7 +106,7 @@ def answer(
     run = _Answering(model, tokenizer, cells, documents, settings, partial)
     kept = [0] * len(cells)
     if earlier is not None:
-        run.answers, run.done = earlier.answers, set(earlier.batches)
+        run.answers, run.done = [Answers.from_state(state) for state in earlier.answers], set(earlier.batches)
         kept = [len(answers.rows) for answers in run.answers]
     protocols = sorted({cell.protocol for cell in cells})
     questions = sum(len(document.questions) for document in documents)
@@ -214,7 +222,7 @@ class _Answering:
                 continue
             yield start
             self.done.add((protocol, start))
-            self.partial.save(size, self.done, self.answers)
+            self.partial.save(size, self.done, [answers.state() for answers in self.answers])
 
     def contexts(self, members: list[int]) -> None:
         """``protocol=context``: per batch of documents, the contexts are fed (once for every cell) and

@@ -189,6 +189,14 @@ class GenerationLog:
             )
         ]
 
+    def state(self) -> dict[str, Any]:
+        """What it logged, as JSON's types (:meth:`from_state` makes it again): a stopped run's, kept on disk."""
+        return vars(self) | {"capacity": self.capacity.state()}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> GenerationLog:
+        return cls(**state | {"capacity": CapacityLog.from_state(state["capacity"])})
+
     def fields(self) -> dict[str, Any]:
         """The record's ``generation`` (token means, tokens/s, KV peak and full-cache entries per KV head and the
         bytes they take over all layers and heads, and the bytes of keys and values a sequence's cache allocated at
