@@ -96,6 +96,17 @@ def test_every_benchmark_command_line_parses(name, monkeypatch, capsys):
     assert exit.value.code == 0 and capsys.readouterr().out.startswith("usage:")
 
 
+def test_long_forward_refuses_a_setting_it_does_not_have_naming_those_it_has(monkeypatch, capsys):
+    """``--only h2o:prefil`` (a typo) measured nothing but the full cache; it is refused before anything runs."""
+    from h2o_eval.benchmarks import long_forward
+
+    monkeypatch.setattr(sys, "argv", ["long_forward", "--data-dir", ".", "--only", "h2o:prefill", "h2o:prefil"])
+    with pytest.raises(SystemExit) as exit:
+        long_forward.main()
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert exit.value.code == 2 and "--only: no setting h2o:prefil; the settings are none:-, h2o:simulate," in error
+
+
 def test_gpu_check_finds_the_kernels_equal_on_the_cpu_and_fails_on_a_difference(monkeypatch, capsys):
     """Reference: the check's own claim (kernels=triton generates what kernels=torch does, graphs what eager decoding
     does, and the full cache what plain generate does), which the interpreted kernels meet (on the CPU the graphs

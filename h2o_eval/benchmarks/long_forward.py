@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", metavar="POLICY:PROTOCOL", help="only these settings (and full)")
     parser.add_argument("--one", nargs=3, metavar=("POLICY", "PROTOCOL", "TAIL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    known = [f"{policy}:{protocol}" for policy, protocol, _ in SETTINGS if policy != "full"]
+    if unknown := sorted(set(args.only or ()) - set(known)):
+        parser.error(f"--only: no setting {', '.join(unknown)}; the settings are {', '.join(known)}")
     if args.one:
         policy, protocol, tail = args.one
         found = one(args.data_dir.resolve(), args.lengths[0], policy, protocol, int(tail), args.budget, args.threads)
