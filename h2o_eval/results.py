@@ -10,7 +10,6 @@ import platform
 import re
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from importlib import metadata
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import data, settings
+from h2o_eval.files import atomic_write
 from h2o_eval.policies import Policy, configured_interval, configured_policy
 from h2o_eval.runners import runner_of
 
@@ -166,30 +166,7 @@ def stored(path: Path) -> Path | None:
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
     """Write ``record`` as JSON so that readers see either nothing or the whole file (temp file + rename)."""
-    _atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str))
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.stem}.*.tmp"):  # left by a process killed mid-write
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide records from the rest of a group
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str))
 
 
 def outputs_path(record: Path) -> Path:
@@ -208,7 +185,7 @@ def stored_outputs(results_dir: str | Path, config: dict[str, Any]) -> list[dict
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
     """Write ``rows`` as JSON Lines, atomically like :func:`write_record`."""
-    _atomic_write(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
+    atomic_write(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
 @contextmanager

@@ -306,14 +306,29 @@ def test_an_unreadable_record_is_set_aside_named_and_rerun(tmp_path, data_dir, c
     assert (tmp_path / "results" / "unreadable" / path.name).read_text() == content
 
 
+def _save_partial(path):
+    from h2o_eval.generation.partial import Partial
+
+    Partial(path, ["run.json"], made={"device": "cpu", "threads": 1}).save(1, {("context", 0)}, [["a"]])
+
+
+@pytest.mark.parametrize("write", [lambda path: results.write_record(path, {"metrics": {}}), _save_partial])
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640)])
-def test_records_are_readable_as_the_umask_allows(tmp_path, umask, mode):
+def test_records_and_partial_answers_are_readable_as_the_umask_allows_and_clear_a_killed_writes_leftover(
+    tmp_path, write, umask, mode
+):
+    """A partial file is committed and taken up by others like a record: both get the umask's mode, not mkstemp's
+    0600, and a temporary file that a process killed mid-write left beside one is gone after the next write."""
+    path = tmp_path / "run.json"
+    leftover = tmp_path / ".run.k1ll3d.tmp"
+    leftover.write_text("{")
     previous = os.umask(umask)
     try:
-        results.write_record(tmp_path / "run.json", {"metrics": {}})
+        write(path)
     finally:
         os.umask(previous)
-    assert stat.S_IMODE((tmp_path / "run.json").stat().st_mode) == mode
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
 
 
 def test_a_run_waiting_for_the_lock_says_what_it_waits_for(tmp_path, capsys):

@@ -18,13 +18,13 @@ resolve differently on different machines), is started over, with a line that sa
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from h2o_eval.files import atomic_write
 
 VERSION = 2  # of the file's layout (1: a pickle, under another name): a file of another is started over
 
@@ -113,17 +113,7 @@ class Partial:
             "git": self.earlier.git if self.earlier is not None else self.git,
             "made": self.made,
         }
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
-        try:
-            with os.fdopen(handle, "w") as file:
-                json.dump(kept, file)
-                file.flush()
-                os.fsync(file.fileno())
-            os.replace(temporary, self.path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
+        atomic_write(self.path, json.dumps(kept))
 
     def cpu_seconds(self) -> float:
         """The CPU seconds spent answering, the runs' before and this one's."""
