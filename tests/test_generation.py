@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import time
 import weakref
 
@@ -445,10 +446,10 @@ def test_answering_counts_each_cells_answers_as_they_come_and_redraws_between_th
             original = self.bar.refresh
             self.bar.refresh = lambda *a, **k: redraws.append(1) or original(*a, **k)
 
-        def update(self, count):
+        def update(self, count, ends_batch=True):
             seen.append(count)
             time.sleep(0.05)
-            super().update(count)
+            super().update(count, ends_batch)
 
         def phase(self, text):
             phases.append(text)
@@ -465,6 +466,27 @@ def test_answering_counts_each_cells_answers_as_they_come_and_redraws_between_th
     answer(model, tokenizer, cells, documents, Settings(3, batch_size=3))
     assert seen == [("total", 18), 3, 3, 3, 3, 3, 3]  # a cell answers one question group of 3 rows at a time
     assert phases[0] == "documents 1-3: contexts" and len(redraws) >= 5
+
+
+@pytest.mark.parametrize("stack", [False, True])
+def test_answering_says_the_time_left_once_after_its_first_batch_not_its_first_answers(tiny, capsys, stack):
+    """A grid's cells answer a batch one after another, after its shared context pass: the time left is said once,
+    after the first batch's answers from every cell (3 cells x 2 documents x 2 questions: 12 of 24), so the shared
+    pass is spread over them all, not charged to the first cell's first 2 answers (an estimate 6x too long)."""
+    from h2o_eval.generation.answering import Cell, Document, Settings, answer
+    from h2o_eval.policies import example_policy
+
+    model, tokenizer = tiny
+    generator = torch.Generator().manual_seed(2)
+    documents = [
+        Document(torch.randint(5, 400, (30,), generator=generator).tolist(),
+                 [torch.randint(5, 400, (3,), generator=generator).tolist() for _ in range(2)])
+        for _ in range(4)
+    ]  # fmt: skip
+    cells = [Cell(example_policy(name, 0.5), "context") for name in ("full", "h2o", "knorm")]
+    answer(model, tokenizer, cells, documents, Settings(3, batch_size=2, decoding="grow", stack=stack))
+    told = [line for line in capsys.readouterr().err.splitlines() if "min left" in line]
+    assert len(told) == 1 and re.fullmatch(r"answering: ~\d+ min left \(12 of 24 answers in \d+ s\)", told[0]), told
 
 
 def test_answering_that_fails_stops_its_progress_bar_redrawing(tiny, monkeypatch):

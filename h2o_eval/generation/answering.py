@@ -189,7 +189,7 @@ class _Answering:
         answers = self.answers[i]
         generated = answers.log.add(batch, sequences, cache, seconds, self.ends, cpu)
         answers.rows += [(d, k, g) for (d, k), g in zip(units, generated, strict=True)]
-        self.progress.update(len(units))
+        self.progress.update(len(units), ends_batch=False)
 
     def _settle(self, caches: dict[int, EvictionCache], ids, mask, cpu: dict[int, dict]) -> dict[int, float]:
         """Compress the cells' deferred contexts after their policies' extra passes (not the oracle's, whose passes
@@ -221,6 +221,7 @@ class _Answering:
             if (protocol, start) in self.done:
                 continue
             yield start
+            self.progress.batch_ended()
             self.done.add((protocol, start))
             self.partial.save(size, self.done, [answers.state() for answers in self.answers])
 

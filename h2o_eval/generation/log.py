@@ -68,16 +68,17 @@ def shared(parts: Mapping[str, float], count: int) -> dict[str, float]:
 
 
 class Progress:
-    """A progress bar over a run's units (documents; a cell's answer to a question), with the time left by the bar's
-    rate. It also says once, after the first units, about how long the rest will take (a line in a log, where the
-    bar's own estimate is overwritten), and redraws itself every ``every`` seconds between units, with what is
-    being done now (:meth:`phase`), so that a long prompt pass still shows the run alive. Used as a context
+    """A progress bar over a run's units (documents; a cell's answer to a question), with the time left by the run's
+    mean rate (units come in bursts; a moving average of the last few would swing with each). It also says once,
+    after the first batch, about how long the rest will take (a line in a log, where the bar's own estimate is
+    overwritten), and redraws itself every ``every`` seconds between units, with what is being done now
+    (:meth:`phase`), so that a long prompt pass still shows the run alive. Used as a context
     manager, it is closed however the run ends."""
 
     def __init__(self, total: int, description: str, unit: str, every: float = 30.0) -> None:
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, desc=description, unit=unit)
+        self.bar = tqdm(total=total, desc=description, unit=unit, smoothing=0)
         self.total, self.description, self.unit = total, description, unit
         self.began = time.perf_counter()
         self.told = False
@@ -101,8 +102,16 @@ class Progress:
         self.bar.n = self.bar.last_print_n = self.bar.initial = self.kept = count
         self.bar.refresh()
 
-    def update(self, count: int) -> None:
+    def update(self, count: int, ends_batch: bool = True) -> None:
+        """Count ``count`` more units done. Once the first batch has ended (``ends_batch``), say how long the rest
+        will take by its rate; units that do not end one (a grid's cells answering a batch one after another, after
+        its shared passes) would charge those passes to the first units alone."""
         self.bar.update(count)
+        if ends_batch:
+            self.batch_ended()
+
+    def batch_ended(self) -> None:
+        """A batch of units has ended: after the first, say once how long the rest will take."""
         done = self.bar.n
         if not self.told and self.kept < done < self.total:
             elapsed = time.perf_counter() - self.began
