@@ -427,12 +427,24 @@ def test_min_new_tokens_in_the_prefill_protocol_gives_that_many_tokens_without_a
     assert not [w for w in caught if "length" in str(w.message).lower()], [str(w.message) for w in caught]
 
 
+def _random_documents(count: int, seed: int) -> list:
+    """``count`` documents of 30 random tokens, each with 2 questions of 3."""
+    from h2o_eval.generation.answering import Document
+
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        Document(torch.randint(5, 400, (30,), generator=generator).tolist(),
+                 [torch.randint(5, 400, (3,), generator=generator).tolist() for _ in range(2)])
+        for _ in range(count)
+    ]  # fmt: skip
+
+
 def test_answering_counts_each_cells_answers_as_they_come_and_redraws_between_them(tiny, monkeypatch):
     """One batch of 3 documents of 2 questions, 3 cells: the bar counts each cell's answers as that cell finishes
     (6 at a time, up to 18), not the batch's at its end, shows what it does now, and redraws itself between units
     (here every 10 ms), so that a long prompt pass still shows the run alive."""
     from h2o_eval.generation import log
-    from h2o_eval.generation.answering import Cell, Document, Settings, answer
+    from h2o_eval.generation.answering import Cell, Settings, answer
     from h2o_eval.policies import example_policy
 
     model, tokenizer = tiny
@@ -456,12 +468,7 @@ def test_answering_counts_each_cells_answers_as_they_come_and_redraws_between_th
             super().phase(text)
 
     monkeypatch.setattr("h2o_eval.generation.answering.Progress", Watched)
-    generator = torch.Generator().manual_seed(1)
-    documents = [
-        Document(torch.randint(5, 400, (30,), generator=generator).tolist(),
-                 [torch.randint(5, 400, (3,), generator=generator).tolist() for _ in range(2)])
-        for _ in range(3)
-    ]  # fmt: skip
+    documents = _random_documents(3, seed=1)
     cells = [Cell(example_policy(name, 0.5), "context") for name in ("full", "h2o", "knorm")]
     answer(model, tokenizer, cells, documents, Settings(3, batch_size=3))
     assert seen == [("total", 18), 3, 3, 3, 3, 3, 3]  # a cell answers one question group of 3 rows at a time
@@ -473,16 +480,11 @@ def test_answering_says_the_time_left_once_after_its_first_batch_not_its_first_a
     """A grid's cells answer a batch one after another, after its shared context pass: the time left is said once,
     after the first batch's answers from every cell (3 cells x 2 documents x 2 questions: 12 of 24), so the shared
     pass is spread over them all, not charged to the first cell's first 2 answers (an estimate 6x too long)."""
-    from h2o_eval.generation.answering import Cell, Document, Settings, answer
+    from h2o_eval.generation.answering import Cell, Settings, answer
     from h2o_eval.policies import example_policy
 
     model, tokenizer = tiny
-    generator = torch.Generator().manual_seed(2)
-    documents = [
-        Document(torch.randint(5, 400, (30,), generator=generator).tolist(),
-                 [torch.randint(5, 400, (3,), generator=generator).tolist() for _ in range(2)])
-        for _ in range(4)
-    ]  # fmt: skip
+    documents = _random_documents(4, seed=2)
     cells = [Cell(example_policy(name, 0.5), "context") for name in ("full", "h2o", "knorm")]
     answer(model, tokenizer, cells, documents, Settings(3, batch_size=2, decoding="grow", stack=stack))
     told = [line for line in capsys.readouterr().err.splitlines() if "min left" in line]
