@@ -22,7 +22,7 @@ longest answer, at least the longest of the cells' mean answers. Each part is a 
 
 Left out: softmax, norms, rotary embeddings, the attention within a question and its answer, the oracle's and the
 other scorers' passes, the model's load. Lengths are the records' means over documents, which undercount the
-attention's quadratic work. No exact implementation in fp32 on this core does less.
+attention's quadratic work. Doing this arithmetic in fp32 at these rates takes no less.
 """
 
 from __future__ import annotations
