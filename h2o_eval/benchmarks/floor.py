@@ -15,7 +15,8 @@ longest answer, at least the longest of the cells' mean answers. Each part is a 
 - prompt: the context's T tokens once per document through every linear layer, each attending its causal keys (a
   sliding layer's, its last W);
 - scoring: KVzip's rehearsal, once per document for its cells (one rehearsal serves every budget): the context's
-  tokens again, each attending every context token (a sliding layer: W). Every other scorer's work is left out;
+  tokens again (its chunks skip the chat template's first few, its prompts add a few), each attending every context
+  token (a sliding layer: W). Every other scorer's work is left out;
 - question: each cell's question tokens through the linear layers, each attending the tokens the cell kept;
 - decoding: each cell's answer, every token's logits and every token but the first (which the question's pass
   gives) through the linear layers, each attending the tokens the cell kept; or its reads, if they take longer.
