@@ -133,25 +133,24 @@ def decoding_bytes(shapes: Shapes, records: list[dict[str, Any]], size: int = 4)
 def read_rate(size: int = 2**27, tries: int = 5) -> float:
     """Bytes/s one thread reads here: summing a ``size``-element fp32 tensor, the best of ``tries``."""
     data = torch.ones(size)
-    data.sum()
-    best = float("inf")
-    for _ in range(tries):
-        began = time.process_time()
-        data.sum()
-        best = min(best, time.process_time() - began)
-    return 4 * size / best
+    return 4 * size / _fastest(data.sum, tries)
 
 
 def gemm_rate(shapes: Shapes, tokens: int = 4096, tries: int = 5) -> float:
     """FLOP/s of one fp32 matrix product on this thread at the prompt pass's largest shape: the best of ``tries``."""
     left, right = torch.randn(tokens, shapes.hidden), torch.randn(shapes.hidden, shapes.intermediate)
-    left @ right
+    return 2 * tokens * shapes.hidden * shapes.intermediate / _fastest(lambda: left @ right, tries)
+
+
+def _fastest(work, tries: int) -> float:
+    """The fewest CPU seconds ``work()`` took in ``tries`` runs after a first one."""
+    work()
     best = float("inf")
     for _ in range(tries):
         began = time.process_time()
-        left @ right
+        work()
         best = min(best, time.process_time() - began)
-    return 2 * tokens * shapes.hidden * shapes.intermediate / best
+    return best
 
 
 def measured(records: list[dict[str, Any]]) -> dict[str, float]:
