@@ -304,7 +304,7 @@ class EvictionLayer(CacheLayerMixin):
         slots = self.slots
         keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
         mask = None if attention_mask is None else attention_mask[..., -keys.shape[2] :]
-        output = plain_attention(module, query, keys, values, mask, scaling)
+        rehearsal = None
         if self.window is None:
             sequences = self.shared
             rehearsal = Rehearsal(
@@ -323,7 +323,9 @@ class EvictionLayer(CacheLayerMixin):
             )
             before = torch.zeros_like(slots.scores) if self.rehearsed is None else self.rehearsed
             self.rehearsed = self.context.policy.rehearse(rehearsal, before).float()
-        return output
+        if rehearsal is not None and rehearsal.output is not None:  # the scorer's attention was the pass's
+            return rehearsal.output
+        return plain_attention(module, query, keys, values, mask, scaling)
 
     def compress_prompt(self, capacity: torch.Tensor) -> None:
         """Compress a deferred prompt (after its extra passes) to ``capacity`` [B, Hkv] by the scores the passes

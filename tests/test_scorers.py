@@ -201,6 +201,68 @@ def test_kvzip_scores_by_blocks_of_queries_what_the_pass_probabilities_give(monk
         assert bool((found[visible[row]] > 0).all())
 
 
+def test_a_split_pass_attention_is_the_models_attention_and_gives_the_normaliser_of_its_columns():
+    """Reference: each query's softmax over the held slots and the pass's tokens up to itself, written out (the
+    attention SDPA computes for the pass), and the log-sum-exp of its logits over the chosen slots and those
+    tokens. Implementation: three fused attentions combined (:meth:`Rehearsal.split_attention`); two sequences,
+    the first left-padded (slots not held), 2 KV heads of 3 query heads each."""
+    gen = torch.Generator().manual_seed(5)
+    slots, m, kv_heads, group, dim = 30, 7, 2, 3, 8
+    held = torch.ones(2, kv_heads, slots, dtype=torch.bool)
+    held[0, :, :6] = False
+    rehearsal = Rehearsal(
+        index=0,
+        script=None,
+        module=torch.nn.Module(),
+        layer=0,
+        query=torch.randn(2, kv_heads * group, m, dim, generator=gen),
+        key=torch.randn(2, kv_heads, slots + m, dim, generator=gen) * 2,
+        value=torch.randn(2, kv_heads, slots + m, dim, generator=gen),
+        held=held,
+        position=torch.arange(slots).expand(2, kv_heads, slots),
+        real=torch.ones(2, m, dtype=torch.bool),
+        scaling=dim**-0.5,
+    )
+    assert rehearsal.splits()
+    causal = torch.ones(m, m, dtype=torch.bool).tril()
+    for row, chosen in ((0, [6, 7, 20, 21, 22]), (1, [0, 1, 2, 3])):
+        columns = torch.tensor(chosen)
+        key = rehearsal.key[row].repeat_interleave(group, 0)  # [Hq, S + m, D]
+        logits = rehearsal.query[row] @ key.transpose(-1, -2) * rehearsal.scaling  # [Hq, m, S + m]
+        seen = torch.cat([held[row, 0].expand(m, -1), causal], -1)
+        expected = torch.softmax(logits.masked_fill(~seen, float("-inf")), -1) @ rehearsal.value[row].repeat_interleave(
+            group, 0
+        )
+        subset = torch.zeros(slots + m, dtype=torch.bool)
+        subset[columns] = True
+        normaliser = logits.masked_fill(~(seen & torch.cat([subset[:slots].expand(m, -1), causal], -1)), float("-inf"))
+        output, found = rehearsal.split_attention(row, columns)
+        torch.testing.assert_close(output, expected)
+        torch.testing.assert_close(found, normaliser.logsumexp(-1))
+
+
+@pytest.mark.parametrize("plus", [False, True])
+@torch.no_grad()
+def test_kvzip_keeps_the_same_whether_its_pass_attention_splits_or_not(tiny, monkeypatch, plus):
+    """The same context compressed twice by KVzip: once with the pass's attention split, scored by the normaliser
+    it gives (the CPU's path), once by the model's attention and softmaxes of the scored columns (any other
+    device's): the same scores in every layer, the same tokens kept."""
+    model, tokenizer = tiny
+    prefix, _ = template_parts(tokenizer)
+    ids = torch.randint(100, 4000, (1, prefix + 30), generator=torch.Generator().manual_seed(8))
+    policy = make_policy("kvzip", 0.5, n_sink=2, chunk_size=16, kvzip_plus_normalization=plus)
+    seen = []
+    monkeypatch.setattr(policy.__class__, "allocate", lambda self, scores, *rest, f=policy.allocate.__func__: (
+        seen.append([s.clone() for s in scores]), f(self, scores, *rest))[1])  # fmt: skip
+    split = compress_context(model, tokenizer, policy, ids)
+    monkeypatch.setattr(Rehearsal, "splits", lambda self: False)
+    plain = compress_context(model, tokenizer, policy, ids)
+    ours, theirs = seen
+    for layer in range(len(ours)):
+        torch.testing.assert_close(ours[layer], theirs[layer])
+    assert kept_by_layer(split) == kept_by_layer(plain)
+
+
 def test_kvzip_repeats_each_chunk_after_the_template_prefix(tiny):
     """The passes: "Repeat the previous context exactly." + the template's end of turn + the first chunk; later
     chunks open with the "part ... starting with" request and the previous chunk's last 8 tokens."""

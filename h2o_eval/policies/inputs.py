@@ -150,10 +150,45 @@ class Rehearsal:
     real: torch.Tensor
     scaling: float
     hidden_states: torch.Tensor | None = None
+    output: torch.Tensor | None = None
 
     @property
     def slots(self) -> int:
         return self.held.shape[-1]
+
+    def splits(self) -> bool:
+        """Whether :meth:`split_attention` can give the pass's attention: on a CPU (its fused kernel returns the
+        log-sum-exp), with every KV head holding the same tokens (a prompt before its compression)."""
+        same = (self.held == self.held[:, :1]).all() & (self.position == self.position[:, :1]).all()
+        return self.query.device.type == "cpu" and bool(same)
+
+    def split_attention(self, row: int, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's pass attention as the model computes it, each query over the held slots and the pass's
+        tokens up to itself: [Hq, m, D]; and per query the log-sum-exp of its logits over the held slots
+        ``columns`` (indices) and its own tokens up to itself [Hq, m], the normaliser of the softmax restricted to
+        those (:meth:`probabilities` with columns). Three fused attentions (the slots ``columns``, the other held
+        slots, the pass causally) are combined by their log-sum-exps, so that nothing is computed twice. Needs
+        :meth:`splits`."""
+        kv_heads, (heads, m, dim) = self.key.shape[1], self.query.shape[1:]
+        group, slots = heads // kv_heads, self.slots
+        query, key, value = self.query[row], self.key[row], self.value[row]
+        chosen = torch.zeros(slots, dtype=torch.bool, device=key.device)
+        chosen[columns] = True
+        rest = (self.held[row, 0] & ~chosen).nonzero().flatten()
+        grouped = query.reshape(kv_heads, group * m, dim)  # a KV head's G query heads as G * m query rows
+        parts = [
+            tuple(t.reshape(heads, m, *t.shape[2:]) for t in _fused(grouped, key[:, i], value[:, i], self.scaling))
+            for i in (columns, rest)
+            if i.numel()
+        ]
+        own = _fused(
+            query, *(t[:, slots:].repeat_interleave(group, 0) for t in (key, value)), self.scaling, causal=True
+        )
+        normaliser = torch.logaddexp(parts[0][1], own[1]) if columns.numel() else own[1]
+        parts.append(own)
+        total = torch.logsumexp(torch.stack([lse for _, lse in parts]), 0)
+        output = sum(out * torch.exp(lse - total).unsqueeze(-1) for out, lse in parts)
+        return output.to(query.dtype), normaliser
 
     def probabilities(self, columns: torch.Tensor | None = None) -> torch.Tensor:
         """[B, Hkv, G, m, S + m] the pass's attention probabilities (float32): each real row over the held slots
@@ -173,3 +208,14 @@ class Rehearsal:
         visible[..., rows, slots + rows] = True  # every row sees itself, so no softmax is empty
         probs = torch.softmax(logits.masked_fill(~visible.unsqueeze(2), float("-inf")), dim=-1)
         return probs * self.real.view(batch, 1, 1, m, 1)
+
+
+def _fused(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output [H, L, D], log-sum-exp of each query's logits [H, L]) of torch's fused CPU attention (the kernel SDPA
+    runs), ``query`` [H, L, D] over ``key`` and ``value`` [H, n, D]; ``causal``: query i sees keys up to i."""
+    output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), is_causal=causal, scale=scaling
+    )
+    return output[0], lse[0]

@@ -116,19 +116,30 @@ class KVzip(Policy):
         return passes
 
     def rehearse(self, rehearsal: Rehearsal, scores: torch.Tensor) -> torch.Tensor:
+        """Each sequence's chunk scored (:func:`_best`). Where the pass's attention splits
+        (:meth:`~h2o_eval.policies.inputs.Rehearsal.splits`), the attention that scores is the one the layer outputs
+        (``rehearsal.output``): its softmax's normaliser over the scored slots comes with it."""
         held, position = rehearsal.held, rehearsal.position
         batch = held.shape[0]
         prefix, _ = template_parts(rehearsal.script.tokenizer)
-        scores = scores.clone()
+        split = rehearsal.splits()
+        scores, outputs = scores.clone(), []
         for row in range(batch):
-            if not bool(rehearsal.real[row].any()):
-                continue
-            start, end = self.spans(len(rehearsal.script.context[row]), prefix)[rehearsal.index]
-            sink = min(self.n_sink, start)
             tokens = position[row]
-            chunk = held[row] & (tokens >= start) & (tokens < end)
-            best = _best(rehearsal, row, (held[row] & (tokens < sink)) | chunk, self.kvzip_plus_normalization)
-            scores[row] = torch.where(chunk, best, scores[row])
+            visible = held[row] & False
+            if bool(rehearsal.real[row].any()):
+                start, end = self.spans(len(rehearsal.script.context[row]), prefix)[rehearsal.index]
+                chunk = held[row] & (tokens >= start) & (tokens < end)
+                visible = (held[row] & (tokens < min(self.n_sink, start))) | chunk
+            normaliser = None
+            if split:
+                output, normaliser = rehearsal.split_attention(row, visible[0].nonzero().flatten())
+                outputs.append(output)
+            if bool(rehearsal.real[row].any()):
+                best = _best(rehearsal, row, visible, self.kvzip_plus_normalization, normaliser)
+                scores[row] = torch.where(chunk, best, scores[row])
+        if split:
+            rehearsal.output = torch.stack(outputs)
         return scores
 
     def allocate(
@@ -165,20 +176,27 @@ class KVzip(Policy):
 BLOCK = 256  # the pass's queries scored at a time: the probabilities of one block are held at once
 
 
-def _best(rehearsal: Rehearsal, row: int, visible: torch.Tensor, plus: bool) -> torch.Tensor:
+def _best(
+    rehearsal: Rehearsal, row: int, visible: torch.Tensor, plus: bool, normaliser: torch.Tensor | None = None
+) -> torch.Tensor:
     """[Hkv, S] one sequence's largest pass attention (over the KV head's group and the pass's real queries) on
     each of the slots ``visible`` [Hkv, S], the softmax running over those slots and the pass's tokens up to each
     query (as :meth:`~h2o_eval.policies.inputs.Rehearsal.probabilities` restricted to those columns); zero on the
-    other slots. With ``plus`` (KVzip+), each query's attention is divided by its input's norm and each slot's
-    multiplied by ||v W_O||. Only the visible slots' keys are read, a block of queries at a time."""
+    other slots. ``normaliser`` [Hq, m]: that softmax's log-sum-exp per query where known
+    (:meth:`~h2o_eval.policies.inputs.Rehearsal.split_attention`), else it is computed here. With ``plus``
+    (KVzip+), each query's attention is divided by its input's norm and each slot's multiplied by ||v W_O||. Only
+    the visible slots' keys are read, a block of queries at a time."""
     kv_heads, slots = visible.shape
     group = rehearsal.query.shape[1] // kv_heads
     m = int(rehearsal.real[row].sum())  # a pass's real tokens come first, its padding after
     columns = visible.any(0).nonzero().flatten()
     allowed = visible[:, columns].view(kv_heads, 1, 1, -1)
+    everywhere = bool(allowed.all())
     key = rehearsal.key[row].float()
     slot_keys, own_keys = key[:, columns], key[:, slots : slots + m]  # [Hkv, n, D], [Hkv, m, D]
     query = rehearsal.query[row, :, :m].float().view(kv_heads, group, m, -1)
+    if normaliser is not None:
+        normaliser = normaliser[:, :m].view(kv_heads, group, m, 1)
     if plus:
         dim = query.shape[-1]
         projection = output_projection(rehearsal.module, kv_heads * group, dim).float()
@@ -186,21 +204,21 @@ def _best(rehearsal: Rehearsal, row: int, visible: torch.Tensor, plus: bool) -> 
         value = rehearsal.value[row, :, columns].float()
         written = torch.einsum("hgdj,htd->hgtj", projection, value).norm(dim=-1)  # [Hkv, G, n]
         inputs = rehearsal.hidden_states[row, :m].float().norm(dim=-1)  # [m]
-    n = columns.numel()
-    best = query.new_zeros(kv_heads, n)
+    best = query.new_zeros(kv_heads, columns.numel())
     for first in range(0, m, BLOCK):
         last = min(first + BLOCK, m)
-        rows = torch.arange(first, last, device=query.device)
         block = query[:, :, first:last]
-        # the logits on the slots, then on the pass's own tokens, written in place into one buffer
-        logits = block.new_empty(kv_heads, group, last - first, n + last)
-        torch.matmul(block, slot_keys.unsqueeze(1).transpose(-1, -2), out=logits[..., :n])
-        torch.matmul(block, own_keys[:, :last].unsqueeze(1).transpose(-1, -2), out=logits[..., n:])
-        logits.mul_(rehearsal.scaling)
-        causal = rows.view(-1, 1) >= torch.arange(last, device=query.device).view(1, -1)
-        logits[..., :n].masked_fill_(~allowed, float("-inf"))
-        logits[..., n:].masked_fill_(~causal, float("-inf"))
-        attention = torch.softmax(logits, dim=-1)[..., :n]  # [Hkv, G, b, n]
+        logits = torch.matmul(block, slot_keys.unsqueeze(1).transpose(-1, -2)).mul_(rehearsal.scaling)
+        if not everywhere:
+            logits.masked_fill_(~allowed, float("-inf"))
+        if normaliser is None:
+            own = torch.matmul(block, own_keys[:, :last].unsqueeze(1).transpose(-1, -2)).mul_(rehearsal.scaling)
+            rows = torch.arange(first, last, device=query.device)
+            own.masked_fill_(rows.view(-1, 1) < torch.arange(last, device=query.device).view(1, -1), float("-inf"))
+            total = torch.logaddexp(logits.logsumexp(-1, keepdim=True), own.logsumexp(-1, keepdim=True))
+        else:
+            total = normaliser[:, :, first:last]
+        attention = logits.sub_(total).exp_()  # [Hkv, G, b, n]
         if plus:
             attention = attention / inputs[first:last].view(1, 1, -1, 1) * written.unsqueeze(2)
         best = torch.maximum(best, attention.amax(dim=(1, 2)))
