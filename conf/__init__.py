@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
@@ -14,7 +16,13 @@ from omegaconf import OmegaConf
 def options(group: str) -> dict[str, dict[str, Any]]:
     """Every option of a config group (``task``, ``model``, ...) mapped to its config, the contents of
     ``conf/<group>/<name>.yaml``, as the CLI sees them; an option in a folder of the group is named by its path
-    (``policy=kvpress/snapkv``: ``conf/policy/kvpress/snapkv.yaml``, a policy's configuration as kvpress runs it)."""
+    (``policy=kvpress/snapkv``: ``conf/policy/kvpress/snapkv.yaml``, a policy's configuration as kvpress runs it).
+    The files are read once per process (a grid checks every cell's names); each caller gets its own copy."""
+    return copy.deepcopy(_read(group))
+
+
+@functools.cache
+def _read(group: str) -> dict[str, dict[str, Any]]:
     folder = resources.files(__name__) / group
     entries = [(entry, "") for entry in folder.iterdir()]
     entries += [(inner, f"{entry.name}/") for entry in folder.iterdir() if entry.is_dir() for inner in entry.iterdir()]

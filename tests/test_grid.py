@@ -822,3 +822,21 @@ def test_answers_kept_on_another_device_or_thread_count_or_as_a_pickle_are_start
         f"partial answers {path} answered with cpu, 1 thread, and this run has cpu, 2 threads: starting over",
         f"partial answers {pickled} kept by an older h2o_eval: starting over",
     ]
+
+
+def test_a_config_groups_files_are_read_once_and_each_caller_gets_its_own_copy(monkeypatch):
+    """A grid checks every cell's names against the config groups: the YAML files are parsed at the first call
+    only, and a caller that changes what it got changes nothing the next caller gets."""
+    import yaml
+
+    import h2o_eval.conf as conf
+
+    conf._read.cache_clear()
+    parsed = []
+    monkeypatch.setattr(yaml, "safe_load", lambda text, load=yaml.safe_load: parsed.append(1) or load(text))
+    first = conf.options("policy")
+    count = len(parsed)
+    first["h2o"]["budget"] = "changed"
+    again = conf.options("policy")
+    assert count > 1 and len(parsed) == count
+    assert again["h2o"] != first["h2o"] and again == conf._read("policy")
