@@ -148,6 +148,35 @@ def ragged(slots: Slots, room: int, counts: list[list[int]]) -> Slots:
     return Slots(*rows, slots.held, slots.position, slots.scores, entry)
 
 
+def regrown(slots: Slots, room: int, counts: list[list[int]]) -> Slots:
+    """:func:`ragged`'s layout of ``slots``, a ragged layout whose heads hold their first ``counts`` slots (nothing
+    dropped since it was laid out: each head's tokens are its first slots, in order), with ``room`` free slots
+    after each head's tokens: each held row is copied to its new place, and nothing is sorted or gathered into
+    the dense layout first (a regrowth while decoding)."""
+    sizes = [[count + room for count in row] for row in counts]
+    total, width = max(sum(row) for row in sizes), max(max(row) for row in sizes)
+    device = slots.held.device
+    size, count = torch.tensor(sizes, device=device), torch.tensor(counts, device=device).unsqueeze(-1)
+    columns = torch.arange(width, device=device)
+    entry = torch.where(columns < size.unsqueeze(-1), (size.cumsum(-1) - size).unsqueeze(-1) + columns, total)
+    kept = min(width, slots.width)
+    held = columns[:kept] < count  # [B, Hkv, kept]: where a held row moves
+    spare = slots.keys.shape[1] - 1
+    source = torch.where(held, slots.entry[..., :kept], spare).flatten(1).unsqueeze(-1)
+    target = torch.where(held, entry[..., :kept], total).flatten(1).unsqueeze(-1)
+    batch, _, dim = slots.keys.shape
+    rows = []
+    for tensor in (slots.keys, slots.values):
+        moved = tensor.gather(1, source.expand(-1, -1, dim))
+        rows.append(tensor.new_zeros(batch, total + 1, dim).scatter_(1, target.expand(-1, -1, dim), moved))
+    state = []
+    for tensor, fill in zip((slots.held, slots.position, slots.scores), (False, FREE, -torch.inf), strict=True):
+        grown = tensor.new_full((*tensor.shape[:2], width), fill)
+        grown[..., :kept] = tensor[..., :kept]
+        state.append(grown)
+    return Slots(*rows, *state, entry)
+
+
 def bucket(size: int) -> int:
     """The width of growing buffers that must hold ``size`` slots: a whole number of :data:`BUCKET` s, with at least
     ``size // 64`` slots to spare, so that a decode step rarely copies the layer and a CUDA graph captured for one

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from h2o_eval.context import arriving_scores
-from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, ragged, widened
+from h2o_eval.decode import Slots, append, append_ragged, attend, bounded, bucket, claim, ragged, regrown, widened
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.base import DecodeVote
 
@@ -158,8 +158,8 @@ class Ragged:
         self.most = max(max(row) for row in counts)
         self._lay_out(layer, counts, room)
 
-    def _lay_out(self, layer: EvictionLayer, counts: list[list[int]], room: int) -> None:
-        layer.slots = ragged(layer.slots, room, counts)
+    def _lay_out(self, layer: EvictionLayer, counts: list[list[int]], room: int, grown: bool = False) -> None:
+        layer.slots = (regrown if grown else ragged)(layer.slots, room, counts)
         self.count = torch.tensor(counts, device=layer.slots.held.device)
         self.counts, self.grown, self.room_left = counts, 0, room
 
@@ -169,7 +169,8 @@ class Ragged:
         held = layer.slots.held.sum(-1).tolist() if layer.context.rule.drops else None  # one read per bucket
         counts = held or [[count + self.grown for count in row] for row in self.counts]  # (drops free slots)
         self.most = max(max(row) for row in counts)
-        self._lay_out(layer, counts, bucket(self.most + 1) - self.most)  # a bucket's room for every head
+        # a bucket's room for every head; without drops each head's tokens are its first slots, in order
+        self._lay_out(layer, counts, bucket(self.most + 1) - self.most, grown=held is None)
 
     def step(self, layer: EvictionLayer, query, key, value, scaling) -> torch.Tensor:
         now, context = layer.shared.last, layer.context

@@ -572,3 +572,36 @@ def test_rows_leaving_their_batch_generate_what_each_generates_alone_and_log_the
     carried = run_batch(model, make_policy(name, budget=budget), batch, GenerationLog(14), tokenizer,
                         protocol=protocol, kernels="torch", **settings)  # fmt: skip
     assert [row["tokens"] for row in carried] == [row["tokens"] for row in expected]
+
+
+def test_a_regrowth_lays_out_what_a_fresh_ragged_layout_of_the_same_tokens_does():
+    """Reference: :func:`ragged` of a layout that took 5 tokens per head (the dense layout gathered, held slots
+    sorted first); implementation: :func:`regrown`, which moves each held row to its new place. Two sequences of 3
+    KV heads holding different counts: the same slots, positions, scores and entries, the same keys and values in
+    every held slot."""
+    from h2o_eval.decode import FREE, Slots, append_ragged, ragged, regrown, rows_at
+
+    gen = torch.Generator().manual_seed(4)
+    batch, kv_heads, width, dim = 2, 3, 12, 4
+    counts = [[3, 7, 12], [5, 1, 9]]
+    held = torch.arange(width) < torch.tensor(counts).unsqueeze(-1)
+    slots = Slots(
+        torch.randn(batch, kv_heads, width, dim, generator=gen),
+        torch.randn(batch, kv_heads, width, dim, generator=gen),
+        held,
+        torch.where(held, torch.arange(width).expand(batch, kv_heads, -1), FREE),
+        torch.randn(batch, kv_heads, width, generator=gen).masked_fill(~held, -torch.inf),
+    )
+    laid = ragged(slots, 5, counts)
+    count = torch.tensor(counts)
+    for step in range(5):
+        key, value = (torch.randn(batch, kv_heads, 1, dim, generator=gen) for _ in range(2))
+        now = torch.full((batch, 1, 1), 20 + step)
+        append_ragged(laid, key, value, now, count, torch.randn(batch, kv_heads, 1, generator=gen))
+    grown = [[c + 5 for c in row] for row in counts]
+    expected, found = ragged(laid, 7, grown), regrown(laid, 7, grown)
+    for name in ("held", "position", "scores", "entry"):
+        assert torch.equal(getattr(found, name), getattr(expected, name)), name
+    for name in ("keys", "values"):
+        mine, theirs = (rows_at(getattr(s, name), s.entry) for s in (found, expected))
+        assert torch.equal(mine[expected.held], theirs[expected.held]), name
