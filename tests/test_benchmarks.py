@@ -88,6 +88,23 @@ def test_same_numbers_reports_every_record_that_moved(tmp_path, capsys, after, s
     assert differs in capsys.readouterr().out
 
 
+def test_same_numbers_compares_two_results_dirs_and_refuses_folders_without_records(tmp_path, capsys):
+    """Two grids' ``results_dir`` (records at their top) are compared as one setting; two folders holding no
+    record are refused in one line, not reported as agreeing."""
+    for side, output in (("before", "a"), ("after", "b")):
+        write_set(tmp_path / side, output=output)
+        setting = next((tmp_path / side).iterdir())
+        for path in setting.iterdir():
+            path.rename(tmp_path / side / path.name)
+        setting.rmdir()
+    assert same_numbers.compare(tmp_path / "before", tmp_path / "after") is False
+    assert "| . | h2o@0.2 | acc | 0.5000 | 0.5000 | outputs |" in capsys.readouterr().out
+    for side in ("empty_before", "empty_after"):
+        (tmp_path / side).mkdir()
+    with pytest.raises(SystemExit, match=r"^error: no records in .*: compare two folders that `same_numbers run`"):
+        same_numbers.compare(tmp_path / "empty_before", tmp_path / "empty_after")
+
+
 @pytest.mark.parametrize("name", BENCHMARKS)
 def test_every_benchmark_command_line_parses(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [name, "--help"])

@@ -8,7 +8,8 @@ The settings cover every runner and protocol and the paths a refactor of the run
 ``simulate`` and 5-shot ``prefill``, summarisation, a long-context task under ``context``, extra passes (KVzip) and
 the oracle's full-cache answer, and the grid's shared prompt with stacked cells. Records are paired by the hash of
 their identity (the end of their file name), so a new file name still finds its pair. Two sets agree when every
-pair has the same metrics, the same capacity statistics and, document by document, the same outputs.
+pair has the same metrics, the same capacity statistics and, document by document, the same outputs. BEFORE and
+AFTER may also be two grids' ``results_dir`` (the same cells run by two versions), compared as one setting.
 """
 
 from __future__ import annotations
@@ -69,13 +70,28 @@ def _row(row: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in row.items() if "seconds" not in key and not key.endswith("_per_s")}
 
 
+def _settings(before: Path, after: Path) -> list[str]:
+    """The settings two folders hold: those of :data:`SETTINGS` that either has (folders ``run`` wrote), else the
+    folders themselves (``.``: two grids' ``results_dir``). Two folders without a record are refused: they
+    would agree on nothing."""
+    named = [name for name in SETTINGS if (before / name).is_dir() or (after / name).is_dir()]
+    if named:
+        return named
+    if any(before.glob("*.json")) or any(after.glob("*.json")):
+        return ["."]
+    raise SystemExit(
+        f"error: no records in {before} or {after}: compare two folders that `same_numbers run` wrote, or two "
+        "results_dir"
+    )
+
+
 def compare(before: Path, after: Path) -> bool:
     """Print a line per record pair: its setting, its headline metric before and after, and what differs; returns
     whether every pair agrees and every record has a pair."""
-    same = True
+    same, settings = True, _settings(before, after)
     print("| setting | record | metric | before | after | differs in |")
     print("|---|---|---|---:|---:|---|")
-    for name in SETTINGS:
+    for name in settings:
         old, new = _records(before / name), _records(after / name)
         for digest in sorted(old.keys() | new.keys()):
             a, b = old.get(digest), new.get(digest)
