@@ -126,7 +126,7 @@ class KVzip(Policy):
         scores, outputs = scores.clone(), []
         for row in range(batch):
             tokens = position[row]
-            visible = held[row] & False
+            visible = torch.zeros_like(held[row])
             if bool(rehearsal.real[row].any()):
                 start, end = self.spans(len(rehearsal.script.context[row]), prefix)[rehearsal.index]
                 chunk = held[row] & (tokens >= start) & (tokens < end)
