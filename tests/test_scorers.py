@@ -154,6 +154,25 @@ def test_kvzip_allocates_the_lowest_scores_model_wide_or_per_layer():
     assert [int(c.sum()) for c in per_layer.allocate(skewed, held, planned)] == [2, 2]
 
 
+def random_rehearsal(gen, held, m, group, dim, real) -> Rehearsal:
+    """A pass of ``m`` tokens over the slots ``held`` [B, Hkv, S] (positions 0..S-1), ``group`` query heads per KV
+    head: random queries, keys (larger, so that softmaxes are peaked) and values."""
+    batch, kv_heads, slots = held.shape
+    return Rehearsal(
+        index=0,
+        script=None,
+        module=torch.nn.Module(),
+        layer=0,
+        query=torch.randn(batch, kv_heads * group, m, dim, generator=gen),
+        key=torch.randn(batch, kv_heads, slots + m, dim, generator=gen) * 2,
+        value=torch.randn(batch, kv_heads, slots + m, dim, generator=gen),
+        held=held,
+        position=torch.arange(slots).expand(batch, kv_heads, slots),
+        real=real,
+        scaling=dim**-0.5,
+    )
+
+
 @pytest.mark.parametrize(("plus", "block"), [(False, 1), (False, 4), (False, 256), (True, 1), (True, 4)])
 def test_kvzip_scores_by_blocks_of_queries_what_the_pass_probabilities_give(monkeypatch, plus, block):
     """Reference: Rehearsal.probabilities over every query at once (softmax over the visible slots and the pass's
@@ -171,20 +190,9 @@ def test_kvzip_scores_by_blocks_of_queries_what_the_pass_probabilities_give(monk
     module.o_proj = torch.nn.Linear(kv_heads * group * dim, hidden, bias=False)
     torch.nn.init.normal_(module.o_proj.weight, generator=gen)
     held = torch.rand(2, kv_heads, slots, generator=gen) > 0.2
-    rehearsal = Rehearsal(
-        index=0,
-        script=None,
-        module=module,
-        layer=0,
-        query=torch.randn(2, kv_heads * group, m, dim, generator=gen),
-        key=torch.randn(2, kv_heads, slots + m, dim, generator=gen) * 2,
-        value=torch.randn(2, kv_heads, slots + m, dim, generator=gen),
-        held=held,
-        position=torch.arange(slots).expand(2, kv_heads, slots),
-        real=torch.tensor([[True] * m, [True] * 6 + [False] * 3]),
-        scaling=dim**-0.5,
-        hidden_states=torch.randn(2, m, hidden, generator=gen) * torch.linspace(0.5, 3, m).view(1, m, 1),
-    )
+    rehearsal = random_rehearsal(gen, held, m, group, dim, torch.tensor([[True] * m, [True] * 6 + [False] * 3]))
+    rehearsal.module = module
+    rehearsal.hidden_states = torch.randn(2, m, hidden, generator=gen) * torch.linspace(0.5, 3, m).view(1, m, 1)
     visible = held & (torch.rand(2, kv_heads, slots, generator=gen) > 0.4)
     projection = output_projection(module, kv_heads * group, dim).detach().view(kv_heads, group, dim, hidden)
     for row in range(2):
@@ -210,19 +218,7 @@ def test_a_split_pass_attention_is_the_models_attention_and_gives_the_normaliser
     slots, m, kv_heads, group, dim = 30, 7, 2, 3, 8
     held = torch.ones(2, kv_heads, slots, dtype=torch.bool)
     held[0, :, :6] = False
-    rehearsal = Rehearsal(
-        index=0,
-        script=None,
-        module=torch.nn.Module(),
-        layer=0,
-        query=torch.randn(2, kv_heads * group, m, dim, generator=gen),
-        key=torch.randn(2, kv_heads, slots + m, dim, generator=gen) * 2,
-        value=torch.randn(2, kv_heads, slots + m, dim, generator=gen),
-        held=held,
-        position=torch.arange(slots).expand(2, kv_heads, slots),
-        real=torch.ones(2, m, dtype=torch.bool),
-        scaling=dim**-0.5,
-    )
+    rehearsal = random_rehearsal(gen, held, m, group, dim, torch.ones(2, m, dtype=torch.bool))
     assert rehearsal.splits()
     causal = torch.ones(m, m, dtype=torch.bool).tril()
     for row, chosen in ((0, [6, 7, 20, 21, 22]), (1, [0, 1, 2, 3])):

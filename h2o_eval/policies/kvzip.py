@@ -125,9 +125,9 @@ class KVzip(Policy):
         split = rehearsal.splits()
         scores, outputs = scores.clone(), []
         for row in range(batch):
-            tokens = position[row]
+            tokens, passed = position[row], bool(rehearsal.real[row].any())
             visible = torch.zeros_like(held[row])
-            if bool(rehearsal.real[row].any()):
+            if passed:
                 start, end = self.spans(len(rehearsal.script.context[row]), prefix)[rehearsal.index]
                 chunk = held[row] & (tokens >= start) & (tokens < end)
                 visible = (held[row] & (tokens < min(self.n_sink, start))) | chunk
@@ -135,7 +135,7 @@ class KVzip(Policy):
             if split:
                 output, normaliser = rehearsal.split_attention(row, visible[0].nonzero().flatten())
                 outputs.append(output)
-            if bool(rehearsal.real[row].any()):
+            if passed:
                 best = _best(rehearsal, row, visible, self.kvzip_plus_normalization, normaliser)
                 scores[row] = torch.where(chunk, best, scores[row])
         if split:
