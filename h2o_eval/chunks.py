@@ -49,7 +49,7 @@ def attend_chunk(
         kept = torch.where(in_prompt.any(-1, keepdim=True), held.sum(-1), 0)
     decoding = chunk.arriving & ~in_prompt
     if not bool(decoding.any()):
-        return Result(output if output is not None else torch.zeros_like(query), held, scores, capacity, kept)
+        return Result(output, held, scores, capacity, kept)
     rest = replace(chunk, held=held, scores=scores, capacity=capacity, arriving=decoding)
     if rest.rule.decode_votes == DecodeVote.NONE and bool(
         (held.sum(-1) + decoding.sum(-1, keepdim=True) <= capacity).all()
@@ -61,6 +61,8 @@ def attend_chunk(
         result = _scan_cpu(query, key, value, rest)
     if output is not None:
         result.output = torch.where(in_prompt.view(in_prompt.shape[0], 1, n, 1), output, result.output)
+    elif not chunk.output:  # the caller computes the prompt rows' attention
+        result.output.masked_fill_(in_prompt.view(in_prompt.shape[0], 1, n, 1), 0)
     result.kept = kept
     return result
 
@@ -99,16 +101,15 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, vote
             scores[..., :last] = torch.where(rows.unsqueeze(1), attention, scores[..., :last])
         else:
             scores[..., :last] += attention
-    full_output = torch.zeros_like(query)
     if output is not None:
-        full_output[:, :, :last] = output
+        output = torch.cat([output, output.new_zeros(*output.shape[:2], query.shape[2] - last, output.shape[-1])], 2)
     held = chunk.held.clone()
     held[..., :last] |= rows.unsqueeze(1)
     now = torch.where(rows.any(-1), chunk.position[:, 0].masked_fill(~in_prompt, -1).amax(-1), -1)
     held, scores, capacity = compress(
         held, scores, chunk.position, chunk.capacity, chunk.recent, chunk.sinks, now, rule, chunk.rescore
     )
-    return full_output, held, scores, capacity
+    return output, held, scores, capacity
 
 
 def _attend_without_eviction(query, key, value, chunk: Chunk) -> Result:

@@ -52,7 +52,7 @@ class Chunk:
     recent, sinks, prefill: [B] int64; rows < ``prefill`` are prompt rows (only with an empty state).
     rule: the policy's score rule.
     output: False when the caller computes the prompt rows' attention itself (:class:`h2o_eval.groups.SharedPrompt`):
-    they then only vote, and their output is left zero.
+    they then only vote: a chunk of prompt rows alone has no output (None), and beside other rows theirs is zero.
     rescore: when the prompt is compressed, the policy's own scores from its pooled ones: ``rescore(scores,
     protected)`` with scores and the protected tokens [B, Hkv, N] -> scores [B, Hkv, N] (None: as they are).
     votes: the prompt votes already computed from the same query, keys and values (one :class:`SharedPrompt`
@@ -77,11 +77,12 @@ class Chunk:
 
 @dataclass
 class Result:
-    """A chunk's output [B, Hq, n, D] and the cache state after it: held, scores [B, Hkv, N] and the
-    capacities [B, Hkv] that now apply (compression can make them per head, or unbounded); ``kept`` [B, Hkv]:
-    the tokens each head held right after its prompt was compressed (None without prompt rows)."""
+    """A chunk's output [B, Hq, n, D] (None: prompt rows alone, without :attr:`Chunk.output`) and the cache state
+    after it: held, scores [B, Hkv, N] and the capacities [B, Hkv] that now apply (compression can make them per
+    head, or unbounded); ``kept`` [B, Hkv]: the tokens each head held right after its prompt was compressed (None
+    without prompt rows)."""
 
-    output: torch.Tensor
+    output: torch.Tensor | None
     held: torch.Tensor
     scores: torch.Tensor
     capacity: torch.Tensor

@@ -76,6 +76,27 @@ def test_a_policys_own_compression_scores_rank_the_prompt_on_every_path(rule, pr
     assert not torch.equal(plain.held, expected.held), "the rescoring changed no kept token: the test proves nothing"
 
 
+@pytest.mark.parametrize(("prefill", "padding"), [(99, "left"), (4, "right")])
+def test_a_chunk_without_output_leaves_the_same_state(prefill, padding):
+    """Reference: the fast path with ``output``; implementation: without it (a SharedPrompt pass, which attends
+    itself): the same held slots, scores, capacities and kept counts. Prompt rows alone give no output at all;
+    beside decode rows (``prefill=4``), theirs is zero and the decode rows' is the one computed with output."""
+    import dataclasses
+
+    query, key, value, chunk = make_chunk(3, 6, 2, 33, 0, RULES["h2o"], prefill, padding)
+    expected = attend_chunk(query, key, value, chunk)
+    result = attend_chunk(query, key, value, dataclasses.replace(chunk, output=False))
+    assert torch.equal(result.held, expected.held) and torch.equal(result.kept, expected.kept)
+    assert torch.equal(result.scores, expected.scores) and torch.equal(result.capacity, expected.capacity)
+    if prefill > query.shape[2]:
+        assert result.output is None
+        return
+    prompt = (torch.arange(query.shape[2]) < prefill).view(1, 1, -1, 1).expand_as(query)
+    assert torch.equal(result.output[prompt], torch.zeros_like(result.output[prompt]))
+    decoding = chunk.arriving.view(3, 1, -1, 1).expand_as(query) & ~prompt
+    torch.testing.assert_close(result.output[decoding], expected.output[decoding])
+
+
 def test_decode_rows_are_processed_in_blocks(monkeypatch):
     """Reference: the fast path with one block of rows; implementation: blocks of 8 rows (and of 5, which ends
     mid-chunk), so the scan's state (held slots, scores, entry and exit rows) crosses block boundaries."""
