@@ -66,7 +66,10 @@ def write_set(folder, metric=0.5, output="a", extra=None):
     setting.mkdir(parents=True)
     rows = [{"doc_id": 0, "output": output, "seconds": metric * 7}]
     (setting / "r.outputs.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
-    record = {"metrics": {"acc": metric}, "capacity": {"kept": 0.2}, "outputs": "r.outputs.jsonl", "policy": "h2o"}
+    record = {
+        "metrics": {"acc": metric}, "capacity": {"kept": 0.2}, "outputs": "r.outputs.jsonl", "policy": "h2o",
+        "config": {"policy": {"name": "h2o"}},
+    }  # fmt: skip
     (setting / "copa__h2o__1234abcd.json").write_text(json.dumps({**record, "budget": 0.2}))
     if extra:
         (setting / "copa__full__99999999.json").write_text(json.dumps({**record, "policy": "full", "budget": 1}))
@@ -86,6 +89,20 @@ def test_same_numbers_reports_every_record_that_moved(tmp_path, capsys, after, s
     write_set(tmp_path / "after", **after)
     assert same_numbers.compare(tmp_path / "before", tmp_path / "after") is same
     assert differs in capsys.readouterr().out
+
+
+def test_same_numbers_names_a_wrappers_base(tmp_path, capsys):
+    """Ada-KV over Expected Attention and over Compactor at one budget are two cells: each line names its base."""
+    for side in ("before", "after"):
+        write_set(tmp_path / side)
+        setting = next((tmp_path / side).iterdir())
+        for base, digest in (("expected_attention", "11111111"), ({"name": "compactor"}, "22222222")):
+            record = json.loads((setting / "copa__h2o__1234abcd.json").read_text())
+            record |= {"policy": "adakv", "config": {"policy": {"name": "adakv", "base": base}}}
+            (setting / f"copa__adakv__{digest}.json").write_text(json.dumps(record))
+    assert same_numbers.compare(tmp_path / "before", tmp_path / "after") is True
+    out = capsys.readouterr().out
+    assert "| adakv(expected_attention)@0.2 |" in out and "| adakv(compactor)@0.2 |" in out and "| h2o@0.2 |" in out
 
 
 def test_same_numbers_compares_two_results_dirs_and_refuses_folders_without_records(tmp_path, capsys):

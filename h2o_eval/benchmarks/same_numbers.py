@@ -110,7 +110,9 @@ def compare(before: Path, after: Path) -> bool:
                 if x != y
             ]
             same = same and not differs
-            policy = a["policy"] + (f"@{a['budget']}" if a["policy"] != "full" else "")
+            base = a["config"]["policy"].get("base")  # Ada-KV over Expected Attention or over Compactor, say
+            base = base.get("name") if isinstance(base, dict) else base
+            policy = a["policy"] + (f"({base})" if base else "") + (f"@{a['budget']}" if a["policy"] != "full" else "")
             print(
                 f"| {name} | {policy} | {metric} | {a['metrics'][metric]:.4f} | {b['metrics'][metric]:.4f} "
                 f"| {', '.join(differs) or 'nothing'} |"
