@@ -107,8 +107,9 @@ def test_caches_whose_rules_weigh_the_prompt_alike_compute_its_votes_once(monkey
 def test_policies_at_several_budgets_score_a_shared_prompt_once(monkeypatch):
     """Reference: each cache fed through a SharedPrompt of its own; implementation: Expected Attention at three
     budgets and CriticalKV (whose base is Expected Attention without the value norm) at two, in one SharedPrompt,
-    the second row left-padded. Per layer, Expected Attention's scores are computed once per parameter set (2) and
-    CriticalKV's projected value norms once; every cache's held slots and scores are exactly the reference's."""
+    the second row left-padded. Per layer, Expected Attention's softmax is computed once for both (they differ only
+    in the value norms applied after it) and CriticalKV's projected value norms once; every cache's held slots and
+    scores are exactly the reference's."""
     from h2o_eval.policies import criticalkv
     from h2o_eval.policies.expected_attention import ExpectedAttention
 
@@ -126,7 +127,7 @@ def test_policies_at_several_budgets_score_a_shared_prompt_once(monkeypatch):
     monkeypatch.setattr(criticalkv, "projected_value_norm", lambda *a: norms.append(1) or projected(*a))
     together = fed(model, ids, mask, policies)
     layers = model.config.num_hidden_layers
-    assert (len(expected), len(norms)) == (2 * layers, layers)
+    assert (len(expected), len(norms)) == (layers, layers)
     for one, other in zip(alone, together, strict=True):
         for a, b in zip(one.layers, other.layers, strict=True):
             assert torch.equal(a.held, b.held) and torch.equal(a.scores, b.scores)

@@ -86,6 +86,27 @@ def test_expected_attention_leaves_the_sinks_and_padding_out_of_its_statistics()
     torch.testing.assert_close(scores[0, 0], torch.cat([torch.zeros(2), torch.softmax(logits, 0)]))
 
 
+@pytest.mark.parametrize(
+    ("theta", "dim", "start"), [(10_000.0, 64, 4096), (10_000.0, 128, 3), (1_000_000.0, 256, 1000), (10_000.0, 8, 3)]
+)
+def test_the_average_rotation_is_kvpress_s_mean_of_rotary_matrices(theta, dim, start):
+    """Reference: kvpress's ``apply_avg_rope`` written out, the m rotary matrices diag(cos_t) + P diag(sin_t) made
+    and averaged; implementation: ``average_rotation`` from the mean cos and sin. At the real models' head sizes
+    (SmolLM2 64, Llama 128, Gemma 3 256) the same numbers bit for bit, so kvpress keeps the same tokens; below 32
+    torch sums the means in another order (a tiny model's 8: within float32 rounding)."""
+    from h2o_eval.policies.expected_attention import average_rotation
+
+    frequencies = torch.outer(torch.arange(start, start + 512).float(), theta ** -(torch.arange(0, dim, 2) / dim))
+    cos, sin = torch.cat([frequencies] * 2, -1).cos(), torch.cat([frequencies] * 2, -1).sin()
+    half = dim // 2
+    swap = torch.zeros(dim, dim)
+    swap[half:, :half], swap[:half, half:] = torch.eye(half), -torch.eye(half)
+    expected = (cos.unsqueeze(1) * torch.eye(dim) + sin.unsqueeze(1) * swap).mean(dim=0)
+    if dim >= 32:
+        assert torch.equal(average_rotation(cos, sin), expected)
+    torch.testing.assert_close(average_rotation(cos, sin), expected, rtol=0, atol=1e-7)
+
+
 def test_criticalkv_two_stages_by_hand():
     """Base scores 4, 3, 2, 1 and projected value norms 1, 1, 10, 1 at C = 2, first stage 0.5: stage 1 keeps the
     best base score (token 0); stage 2 ranks the rest by (score + eps) * norm, so token 2 (20) beats token 1 (3)."""

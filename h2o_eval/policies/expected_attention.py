@@ -13,14 +13,16 @@ from h2o_eval.policies.inputs import Prompt, query_projection
 
 def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """[D, D] the mean over positions of the rotary matrices diag(cos_t) + P diag(sin_t), P the rotate-half
-    permutation (kvpress's ``apply_avg_rope``); ``cos``, ``sin`` [m, D]."""
-    dim = cos.shape[-1]
-    half = dim // 2
-    swap = torch.zeros(dim, dim, dtype=cos.dtype, device=cos.device)
-    block = torch.eye(half, dtype=cos.dtype, device=cos.device)
-    swap[half:, :half], swap[:half, half:] = block, -block
-    eye = torch.eye(dim, dtype=cos.dtype, device=cos.device)
-    return (cos.unsqueeze(1) * eye + sin.unsqueeze(1) * swap).mean(dim=0)
+    permutation (kvpress's ``apply_avg_rope``); ``cos``, ``sin`` [m, D]. Each entry of those matrices is a cos, a
+    +-sin or zero, so the mean is built from the means of ``cos`` and ``sin``, without making the m matrices (at
+    head sizes from 32, torch's sums give the same numbers as averaging them; below, within float32 rounding)."""
+    half = cos.shape[-1] // 2
+    mean_cos, mean_sin = cos.mean(dim=0), sin.mean(dim=0)
+    rotation = torch.diag(mean_cos)
+    columns = torch.arange(half, device=cos.device)
+    rotation[columns + half, columns] = mean_sin[:half]
+    rotation[columns, columns + half] = -mean_sin[half:]
+    return rotation
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,14 @@ class ExpectedAttention(Policy):
         return Plan(capacity=capacity, recent=0, sinks=min(self.n_sink, capacity))
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-        return prompt.once(f"expected_attention {self.rehearsal_identity()}", lambda: self._expected(prompt))
+        expected, counted = prompt.once(
+            f"expected_attention {self.n_future_positions} {self.n_sink} {self.use_covariance}",
+            lambda: self._expected(prompt),
+        )
+        if not self.use_vnorm:
+            return expected
+        norms = prompt.value.float().norm(dim=-1)
+        return torch.where(counted.bool(), (expected + self.epsilon) * norms, expected)
 
     def held_scores(self, held: Prompt, heads: torch.Tensor) -> torch.Tensor:
         """As kvpress's DecodingPress scores the cache with this policy: the statistics of the kept attention inputs
@@ -114,12 +123,14 @@ class ExpectedAttention(Policy):
         return torch.cat([sinks, expected], dim=-1).unsqueeze(0)
 
     def _expected(self, prompt: Prompt) -> torch.Tensor:
-        """[B, Hkv, n] each prompt token's expected attention (with ``use_vnorm``, times its value's norm)."""
+        """[2, B, Hkv, n]: each prompt token's expected attention (before ``use_vnorm``'s value norms, which the
+        policies that share this differ by), and whether it was scored (a real token past the sinks), as a float."""
         queries = prompt.prerope_query().float()
-        keys, values = prompt.key.float(), prompt.value.float()
+        keys = prompt.key.float()
         batch, kv_heads, n, dim = keys.shape
         group = prompt.group
         found = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=keys.device)
+        counts = torch.zeros_like(found)
         for row in range(batch):
             real = prompt.real[row].nonzero().flatten()
             counted = real[self.n_sink :]
@@ -140,8 +151,6 @@ class ExpectedAttention(Policy):
             logits = torch.einsum("hnd,hd->hn", key, mean) / math.sqrt(dim)
             if self.use_covariance:
                 logits = logits + torch.einsum("hni,hij,hnj->hn", key, covariance, key) / dim / 2
-            expected = torch.softmax(logits, dim=-1).view(kv_heads, group, -1).mean(dim=1)
-            if self.use_vnorm:
-                expected = (expected + self.epsilon) * values[row][:, counted].norm(dim=-1)
-            found[row][:, counted] = expected
-        return found
+            found[row][:, counted] = torch.softmax(logits, dim=-1).view(kv_heads, group, -1).mean(dim=1)
+            counts[row][:, counted] = 1
+        return torch.stack([found, counts])
