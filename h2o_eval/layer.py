@@ -229,7 +229,13 @@ class EvictionLayer(CacheLayerMixin):
                 self._keep_all(key, value, arriving)
                 return own
         new_position = sequences.positions(arriving).unsqueeze(1).expand(batch, kv_heads, n)
-        keys, values = torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2)
+        # A first chunk's keys and values are held as they arrive, not copied (a SharedPrompt's caches then share
+        # them): nothing writes into a state in place until a layout or a compression has made it anew.
+        keys, values = (
+            (key, value)
+            if not slots.width
+            else (torch.cat([slots.keys, key], -2), torch.cat([slots.values, value], -2))
+        )
         if first and sequences.deferred or not self.moved and self._evicts_nothing(first, arriving):
             fresh = arriving_scores(context, key, new_position, self.layer_idx)
             self.dropped(self._keep_all(keys, values, arriving, new_position, fresh))  # a deferred prompt: after passes
