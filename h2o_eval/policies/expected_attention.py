@@ -77,14 +77,14 @@ class ExpectedAttention(Policy):
         return Plan(capacity=capacity, recent=0, sinks=min(self.n_sink, capacity))
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-        expected, counted = prompt.once(
+        shared = prompt.once(
             f"expected_attention {self.n_future_positions} {self.n_sink} {self.use_covariance}",
             lambda: self._expected(prompt),
         )
+        expected, counted = shared[0], shared[1].bool()  # views a caller may write to (unbind's may not be)
         if not self.use_vnorm:
             return expected
-        norms = prompt.value.float().norm(dim=-1)
-        return torch.where(counted.bool(), (expected + self.epsilon) * norms, expected)
+        return torch.where(counted, (expected + self.epsilon) * prompt.value.float().norm(dim=-1), expected)
 
     def held_scores(self, held: Prompt, heads: torch.Tensor) -> torch.Tensor:
         """As kvpress's DecodingPress scores the cache with this policy: the statistics of the kept attention inputs
