@@ -77,13 +77,13 @@ class ExpectedAttention(Policy):
         return Plan(capacity=capacity, recent=0, sinks=min(self.n_sink, capacity))
 
     def compression_scores(self, prompt: Prompt, scores: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-        shared = prompt.once(
+        expected = prompt.once(
             f"expected_attention {self.n_future_positions} {self.n_sink} {self.use_covariance}",
             lambda: self._expected(prompt),
         )
-        expected, counted = shared[0], shared[1].bool()  # views a caller may write to (unbind's may not be)
         if not self.use_vnorm:
             return expected
+        counted = (prompt.real & (prompt.real.cumsum(-1) > self.n_sink)).unsqueeze(1)  # real tokens past the sinks
         return torch.where(counted, (expected + self.epsilon) * prompt.value.float().norm(dim=-1), expected)
 
     def held_scores(self, held: Prompt, heads: torch.Tensor) -> torch.Tensor:
@@ -123,14 +123,13 @@ class ExpectedAttention(Policy):
         return torch.cat([sinks, expected], dim=-1).unsqueeze(0)
 
     def _expected(self, prompt: Prompt) -> torch.Tensor:
-        """[2, B, Hkv, n]: each prompt token's expected attention (before ``use_vnorm``'s value norms, which the
-        policies that share this differ by), and whether it was scored (a real token past the sinks), as a float."""
+        """[B, Hkv, n] each scored prompt token's expected attention (a real token past the sinks; 0 elsewhere),
+        before ``use_vnorm``'s value norms, which the policies that share this differ by."""
         queries = prompt.prerope_query().float()
         keys = prompt.key.float()
         batch, kv_heads, n, dim = keys.shape
         group = prompt.group
         found = torch.zeros(batch, kv_heads, n, dtype=torch.float32, device=keys.device)
-        counts = torch.zeros_like(found)
         for row in range(batch):
             real = prompt.real[row].nonzero().flatten()
             counted = real[self.n_sink :]
@@ -152,5 +151,4 @@ class ExpectedAttention(Policy):
             if self.use_covariance:
                 logits = logits + torch.einsum("hni,hij,hnj->hn", key, covariance, key) / dim / 2
             found[row][:, counted] = torch.softmax(logits, dim=-1).view(kv_heads, group, -1).mean(dim=1)
-            counts[row][:, counted] = 1
-        return torch.stack([found, counts])
+        return found
