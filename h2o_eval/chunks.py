@@ -101,7 +101,7 @@ def _prompt_phase(query, key, value, chunk: Chunk, in_prompt: torch.Tensor, vote
             scores[..., :last] = torch.where(rows.unsqueeze(1), attention, scores[..., :last])
         else:
             scores[..., :last] += attention
-    if output is not None:
+    if output is not None and last < query.shape[2]:  # rows past the last prompt row: zero until decoded
         output = torch.cat([output, output.new_zeros(*output.shape[:2], query.shape[2] - last, output.shape[-1])], 2)
     held = chunk.held.clone()
     held[..., :last] |= rows.unsqueeze(1)
