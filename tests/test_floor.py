@@ -8,7 +8,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from h2o_eval.benchmarks.floor import Shapes, document_flops
+from h2o_eval.benchmarks.floor import Shapes, document_flops, kernel_seconds
 from h2o_eval.models import load_config
 
 
@@ -54,3 +54,13 @@ def test_a_document_pays_its_prompt_and_kvzips_rehearsal_once_and_each_cells_que
     # the first answer token comes from the question's pass: its logits only
     decoded = sum(4 * (shapes.linear() + 2 * kept * shapes.pair()) for kept in (100, 50))
     assert together["decoding"] == decoded + 11 * shapes.logits()
+
+
+def test_decoding_in_its_kernels_is_each_cells_products_at_their_rates_and_its_reads_at_the_attentions():
+    shapes = Shapes(8, 16, 2, 1, 4, 32, (None, None))
+    cells = [record("full", 100, answer=5.0), record("knorm", 30, answer=1.0), record("snapkv", 50, answer=3.0)]
+    # per decoded token: the layers' products 2 * (8 * 8 * 2 + 2 * 8 * 4 + 3 * 8 * 16) * 2 layers = 2304 FLOPs at
+    # 2304 FLOP/s (1 s), and its cell's kept keys and values, 2 * 4 elements of 4 bytes per token in each of 2 layers,
+    # at 32 bytes/s (2 s a kept token); per answer token its logits, 2 * 8 * 32 FLOPs at 512 FLOP/s (1 s)
+    expected = sum(answer * 1 + (answer - 1) * (1 + 2 * kept) for kept, answer in ((100, 5), (30, 1), (50, 3)))
+    assert kernel_seconds(shapes, cells, mlp=2304.0, logits=512.0, attention=32.0) == expected

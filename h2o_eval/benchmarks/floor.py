@@ -24,6 +24,12 @@ longest answer, at least the longest of the cells' mean answers. Each part is a 
 Left out: softmax, norms, rotary embeddings, the attention within a question and its answer, the oracle's and the
 other scorers' passes, the model's load. Lengths are the records' means over documents, which undercount the
 attention's quadratic work. Doing this arithmetic in fp32 at these rates takes no less.
+
+Decoding is also given in its kernels (:func:`kernel_seconds`): its products at the rate one thread multiplies as
+many rows as the task has cells (the layers' and the logits' shapes apart), and its reads of the kept keys and
+values at the rate torch's fused attention reads them at a decode step's shape, over keys not in the cache
+(:func:`attention_rate`, at the records' mean kept tokens per layer), with nothing else a step does. The last line
+gives the board with decoding so and every other part at its floor: what torch's kernels here cannot beat.
 """
 
 from __future__ import annotations
@@ -130,6 +136,45 @@ def decoding_bytes(shapes: Shapes, records: list[dict[str, Any]], size: int = 4)
     return size * (steps * shapes.weights() + rows * shapes.entry())
 
 
+def kernel_seconds(shapes: Shapes, records: list[dict[str, Any]], mlp: float, logits: float, attention: float) -> float:
+    """The CPU seconds one document's stacked decoding would take in torch's kernels alone, at the rates they reach
+    here at its shapes: each cell's tokens through the layers' products at ``mlp`` FLOP/s and their logits at
+    ``logits`` FLOP/s (products with as many rows as cells stacked), and each decoded token's read of the keys and
+    values its cell kept at ``attention`` bytes/s (torch's fused attention over keys not in the cache). What else a
+    step does (the cache's appends and layouts, norms, rotary embeddings, the host's dispatch) is left out."""
+    seconds = 0.0
+    for record in records:
+        answer = record["generation"]["generated_tokens_mean"]
+        decoded = max(answer - 1, 0)
+        kept = sum(record["capacity"]["layer_capacity_mean"])
+        seconds += answer * shapes.logits() / logits + decoded * shapes.linear() / mlp
+        seconds += 4 * decoded * kept * shapes.entry() / attention
+    return seconds
+
+
+def product_rate(rows: int, inner: int, outer: int, tries: int = 10) -> float:
+    """FLOP/s of one fp32 product of ``rows`` tokens [rows, inner] by a weight [outer, inner] on this thread, as a
+    linear layer multiplies: the best of ``tries``."""
+    tokens, weight = torch.randn(rows, inner), torch.randn(outer, inner)
+    return 2 * rows * inner * outer / _fastest(lambda: torch.nn.functional.linear(tokens, weight), tries)
+
+
+def attention_rate(shapes: Shapes, kept: int, total: int = 2**30) -> float:
+    """Bytes/s of keys and values torch's fused attention reads on this thread as a decode step calls it (a KV head's
+    query heads as its rows, a mask of held slots) over ``kept`` slots not in the cache: once over distinct layers'
+    keys and values filling ``total`` bytes, after a first pass."""
+    group, shape = shapes.q_heads // shapes.kv_heads, (1, shapes.kv_heads, kept, shapes.head_dim)
+    layers = max(total // (8 * kept * shapes.kv_heads * shapes.head_dim), 2)
+    pairs = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
+    query, held = torch.randn(1, shapes.kv_heads, group, shapes.head_dim), torch.ones(1, shapes.kv_heads, 1, kept) > 0
+
+    def attend_all() -> None:
+        for key, value in pairs:
+            torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=held)
+
+    return 8 * layers * kept * shapes.kv_heads * shapes.head_dim / _fastest(attend_all, 1)
+
+
 def read_rate(size: int = 2**27, tries: int = 5) -> float:
     """Bytes/s one thread reads here: summing a ``size``-element fp32 tensor, the best of ``tries``."""
     data = torch.ones(size)
@@ -188,23 +233,42 @@ def main() -> None:
         raise SystemExit(f"error: no record of {args.model} in {args.records} splits its CPU time")
     rate = args.gflops * 1e9 if args.gflops else gemm_rate(shapes)
     reads = args.gbps * 1e9 if args.gbps else read_rate()
+    rows = max(len(records) for records in tasks.values())
+    mlp = product_rate(rows, shapes.hidden, shapes.intermediate)
+    logits = product_rate(rows, shapes.hidden, shapes.vocab, tries=3)
+    kept = [sum(r["capacity"]["layer_capacity_mean"]) / len(shapes.windows) for rs in tasks.values() for r in rs]
+    attention = attention_rate(shapes, round(sum(kept) / len(kept)))
     print(f"{args.model}, one thread: fp32 matrix product at {rate / 1e9:.1f} GFLOP/s, reads at {reads / 1e9:.1f} GB/s")
-    print("CPU s per document by part: the floor / what the records measured")
-    print("| task | cells | TFLOP | prompt | scoring | question | decoding | total | measured / floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    floors, spent = 0.0, 0.0
+    print(
+        f"decoding's kernels at {rows} rows: layers' products {mlp / 1e9:.1f} GFLOP/s, logits {logits / 1e9:.1f}, "
+        f"fused attention over keys not in the cache {attention / 1e9:.1f} GB/s"
+    )
+    print("CPU s per document by part: the floor / what the records measured; decoding in its kernels at their rates")
+    print("| task | cells | TFLOP | prompt | scoring | question | decoding | in kernels | total | measured / floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    floors, spent, kernels, decoded, bound = 0.0, 0.0, 0.0, 0.0, 0.0
     for task, records in sorted(tasks.items()):
         flops, spent_by_part = document_flops(shapes, records), measured(records)
         seconds = {part: flops[part] / rate for part in PARTS}
         seconds["decoding"] = max(seconds["decoding"], decoding_bytes(shapes, records) / reads)
         floor, took = sum(seconds.values()), sum(spent_by_part.values())
+        in_kernels = kernel_seconds(shapes, records, mlp, logits, attention)
         floors, spent = floors + floor, spent + took
+        kernels, decoded = kernels + in_kernels, decoded + spent_by_part["decoding"]
+        bound += floor - seconds["decoding"] + max(seconds["decoding"], in_kernels)
         parts = " | ".join(f"{seconds[part]:.1f} / {spent_by_part[part]:.1f}" for part in PARTS)
         total = sum(flops.values()) / 1e12
-        print(f"| {task} | {len(records)} | {total:.2f} | {parts} | {floor:.1f} / {took:.1f} | {took / floor:.2f} |")
+        print(
+            f"| {task} | {len(records)} | {total:.2f} | {parts} | {in_kernels:.1f} | {floor:.1f} / {took:.1f} | "
+            f"{took / floor:.2f} |"
+        )
     hours = args.documents / 3600
     board = f"{len(tasks)} tasks x {args.documents} documents"
     print(f"{board}: floor {floors * hours:.1f} CPU-hours, measured {spent * hours:.1f}")
+    print(
+        f"decoding in its kernels {kernels * hours:.1f} CPU-hours, measured {decoded * hours:.1f}; the board with "
+        f"decoding in its kernels and every other part at its floor: {bound * hours:.1f}"
+    )
 
 
 if __name__ == "__main__":
