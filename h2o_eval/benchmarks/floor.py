@@ -164,7 +164,8 @@ def attention_rate(shapes: Shapes, kept: int, total: int = 2**30) -> float:
     query heads as its rows, a mask of held slots) over ``kept`` slots not in the cache: once over distinct layers'
     keys and values filling ``total`` bytes, after a first pass."""
     group, shape = shapes.q_heads // shapes.kv_heads, (1, shapes.kv_heads, kept, shapes.head_dim)
-    layers = max(total // (8 * kept * shapes.kv_heads * shapes.head_dim), 2)
+    read = 8 * kept * shapes.kv_heads * shapes.head_dim  # one layer's keys and values, fp32
+    layers = max(total // read, 2)
     pairs = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
     query, held = torch.randn(1, shapes.kv_heads, group, shapes.head_dim), torch.ones(1, shapes.kv_heads, 1, kept) > 0
 
@@ -172,19 +173,13 @@ def attention_rate(shapes: Shapes, kept: int, total: int = 2**30) -> float:
         for key, value in pairs:
             torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=held)
 
-    return 8 * layers * kept * shapes.kv_heads * shapes.head_dim / _fastest(attend_all, 1)
+    return layers * read / _fastest(attend_all, 1)
 
 
 def read_rate(size: int = 2**27, tries: int = 5) -> float:
     """Bytes/s one thread reads here: summing a ``size``-element fp32 tensor, the best of ``tries``."""
     data = torch.ones(size)
     return 4 * size / _fastest(data.sum, tries)
-
-
-def gemm_rate(shapes: Shapes, tokens: int = 4096, tries: int = 5) -> float:
-    """FLOP/s of one fp32 matrix product on this thread at the prompt pass's largest shape: the best of ``tries``."""
-    left, right = torch.randn(tokens, shapes.hidden), torch.randn(shapes.hidden, shapes.intermediate)
-    return 2 * tokens * shapes.hidden * shapes.intermediate / _fastest(lambda: left @ right, tries)
 
 
 def _fastest(work, tries: int) -> float:
@@ -231,7 +226,7 @@ def main() -> None:
             tasks.setdefault(record["task"], []).append(record)
     if not tasks:
         raise SystemExit(f"error: no record of {args.model} in {args.records} splits its CPU time")
-    rate = args.gflops * 1e9 if args.gflops else gemm_rate(shapes)
+    rate = args.gflops * 1e9 if args.gflops else product_rate(4096, shapes.hidden, shapes.intermediate, tries=5)
     reads = args.gbps * 1e9 if args.gbps else read_rate()
     rows = max(len(records) for records in tasks.values())
     mlp = product_rate(rows, shapes.hidden, shapes.intermediate)
