@@ -185,6 +185,16 @@ def test_gpu_check_finds_the_kernels_equal_on_the_cpu_and_fails_on_a_difference(
         assert out[-1] == "gpu_check: 1 float32 case(s) differ (kernels=torch against triton, or graphs against eager)"
 
 
+def test_gpu_check_by_default_checks_every_policy_that_holds_a_cache():
+    """Reference: the registry. Every policy but the one that holds no cache, ``dms`` too at its example threshold:
+    the default list once stopped the whole check at ``dms``, which a budget alone cannot build."""
+    from h2o_eval.benchmarks.gpu_check import cache_policies
+    from h2o_eval.policies import POLICIES
+
+    assert cache_policies() == [name for name in POLICIES if name != "h2o_reference"]
+    assert cache_policies(["dms", "h2o_reference", "h2o"]) == ["dms", "h2o"]
+
+
 def test_gpu_check_grid_answers_with_graphs_as_eagerly_and_fails_without_replays_or_on_a_difference(
     monkeypatch, capsys
 ):

@@ -79,14 +79,14 @@ def compare(
     """One policy under ``kernels=torch``, ``kernels=triton`` and ``kernels=triton`` replayed as CUDA graphs: each
     run's (tokens, cache)."""
     from h2o_eval.generation import Batch, generate, greedy
-    from h2o_eval.policies import make_policy
+    from h2o_eval.policies import example_policy
 
     settings = greedy(NEW_TOKENS, tokenizer.pad_token_id)
     runs = {}
     for run, kernels, graphs in (("torch", "torch", False), ("triton", "triton", False), ("graphs", "triton", True)):
         batch = Batch(ids, mask, context_width=CONTEXT if protocol == "context" else None)
         with torch.no_grad():
-            policy = make_policy(name, budget=BUDGET)
+            policy = example_policy(name, BUDGET)
             runs[run] = generate(
                 model, policy, batch, tokenizer, protocol=protocol, kernels=kernels, decoding=decoding,
                 graphs=graphs, **settings,
@@ -113,6 +113,14 @@ def verdict(runs: dict[str, tuple[torch.Tensor, Any]], plain: torch.Tensor | Non
     return ok, line
 
 
+def cache_policies(policies: Sequence[str] | None = None) -> list[str]:
+    """The policies given, or every registered one, that hold a cache, each built with its example parameters (a
+    policy that needs one, such as ``dms``'s threshold, is checked too)."""
+    from h2o_eval.policies import POLICIES, example_policy
+
+    return [name for name in policies or POLICIES if example_policy(name, BUDGET).has_cache]
+
+
 def check(
     models: Sequence[str],
     dtypes: Sequence[str],
@@ -124,9 +132,8 @@ def check(
     """Print one line per case; returns the number of float32 failures."""
     from h2o_eval.generation import greedy
     from h2o_eval.models import load_model
-    from h2o_eval.policies import POLICIES, make_policy
 
-    names = [name for name in policies or POLICIES if make_policy(name, budget=BUDGET).has_cache]
+    names = cache_policies(policies)
     failures = 0
     for model_name in models:
         for dtype in dtypes:
@@ -182,7 +189,7 @@ def grid_answers(
 ) -> list[list[list[int]]]:
     """Every cell's (``names`` under both protocols) generated tokens for three documents of two questions each."""
     from h2o_eval.generation.answering import Cell, Document, Settings, answer
-    from h2o_eval.policies import make_policy
+    from h2o_eval.policies import example_policy
 
     generator = torch.Generator().manual_seed(1)
 
@@ -190,7 +197,7 @@ def grid_answers(
         return torch.randint(1000, model.config.vocab_size, (count,), generator=generator).tolist()
 
     documents = [Document(ids(width), [ids(6), ids(9)]) for width in (70, 90, 110)]
-    cells = [Cell(make_policy(name, budget=BUDGET), protocol) for protocol in PROTOCOLS for name in names]
+    cells = [Cell(example_policy(name, BUDGET), protocol) for protocol in PROTOCOLS for name in names]
     settings = Settings(NEW_TOKENS, batch_size=2, kernels=kernels, decoding=decoding, graphs=graphs, stack=stack)
     with torch.no_grad():
         answers = answer(model, tokenizer, cells, documents, settings, label="grid")

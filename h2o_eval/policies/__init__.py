@@ -160,5 +160,6 @@ def configured_interval(config: Mapping[str, Any], policy: Policy) -> Interval |
 
 
 def example_policy(name: str, budget: float | int = 0.5) -> Policy:
-    """The registered policy ``name`` with its example parameters (what the generic test suites run)."""
-    return make_policy(name, budget, **POLICIES[name].example)
+    """The registered policy ``name`` with its example parameters (what the generic test suites run); an unknown name
+    gets :func:`make_policy`'s error, which lists the known ones."""
+    return make_policy(name, budget, **(POLICIES[name].example if name in POLICIES else {}))
