@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
-from importlib.metadata import packages_distributions
+from importlib.metadata import PackageNotFoundError, packages_distributions, version
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ from conftest import REPO
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-# The folders that make the installed package (pyproject.toml's package-dir maps conf, tasks and kernels into it).
+# The folders that make the installed package (pyproject.toml maps conf and tasks into it; h2o_eval/kernels
+# is a link to kernels/).
 PACKAGE_FOLDERS = ("h2o_eval", "conf", "tasks", "kernels")
 # Modules imported only in a subprocess that runs beside the project in an environment of its own, never installed
 # with it: kvpress 0.5.5 pins transformers < 5.3 (benchmarks.kvpress_compare).
@@ -63,3 +65,23 @@ def test_every_third_party_module_the_package_imports_is_a_declared_dependency()
         if own not in map(normalized, found) and not names & set(map(normalized, found)):
             undeclared.append(f"{module} (distribution {' or '.join(found)}, imported by {where})")
     assert not undeclared, "imported but not declared in pyproject.toml: " + "; ".join(undeclared)
+
+
+def test_from_the_repo_root_import_kernels_is_the_hubs_package_and_transformers_imports():
+    """README's commands run from the repo root, which Python puts first on its path. transformers (5.25 on) imports
+    the Hugging Face hub's ``kernels`` package at start-up; the top-level ``kernels/`` folder holds no
+    ``__init__.py`` (the package reaches it as ``h2o_eval.kernels``, a link), so it never shadows the hub's: from
+    the root, ``import kernels`` is the installed distribution's (or, without one, no module of this repo's), and
+    transformers and the kernels import."""
+    probe = "import kernels, transformers, h2o_eval.kernels.reference as r; print(kernels.__file__); print(r.__file__)"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hubs, ours = done.stdout.splitlines()
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    assert ours == str(REPO / "h2o_eval" / "kernels" / "reference.py")
+    try:
+        version("kernels")
+    except PackageNotFoundError:
+        assert hubs == "None"  # a namespace portion: no code of this repo runs as ``kernels``
+    else:
+        assert hubs != "None" and not hubs.startswith(str(REPO / "kernels")), hubs

@@ -7,6 +7,11 @@ import itertools
 import pytest
 import torch
 from conftest import RULES, fast_sample, make_chunk
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime import interpreter
+
+from h2o_eval.eviction import attend_chunk_reference
+from h2o_eval.implementation import choose
 from h2o_eval.kernels import decode_attention as decode_module
 from h2o_eval.kernels.column_scores import attention_lse, column_sums
 from h2o_eval.kernels.decode_attention import decode_attention, split_slots
@@ -18,11 +23,6 @@ from h2o_eval.kernels.reference import (
     column_sums_reference,
     decode_attention_reference,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
-from triton.runtime import interpreter
-
-from h2o_eval.eviction import attend_chunk_reference
-from h2o_eval.implementation import choose
 from h2o_eval.policies import Rule
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
