@@ -7,6 +7,8 @@ import json
 import re
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -558,20 +560,34 @@ def test_rows_leaving_their_batch_generate_what_each_generates_alone_and_log_the
         if len(set(end_steps({free[0][a], free[1][b]}))) == 3
     )
     monkeypatch.setattr(model.generation_config, "eos_token_id", sorted(ends))
-    monkeypatch.setattr(tokenizer, "eos_token_id", min(ends))
-    expected = [alone(row) for row in range(3)]
-    calls, decode = [], generation.passes.decode
-    monkeypatch.setattr(generation.passes, "decode", lambda *a, **k: calls.append(a[2].shape[0]) or decode(*a, **k))
-    log = GenerationLog(max_new_tokens=14)
-    policy = make_policy(name, budget=budget)
-    rows = run_batch(model, policy, batch, log, tokenizer, protocol=protocol, kernels="torch", leaving=True, **settings)
+    with ending_at(tokenizer, min(ends)):
+        expected = [alone(row) for row in range(3)]
+        calls, decode = [], generation.passes.decode
+        monkeypatch.setattr(generation.passes, "decode", lambda *a, **k: calls.append(a[2].shape[0]) or decode(*a, **k))
+        log = GenerationLog(max_new_tokens=14)
+        policy = make_policy(name, budget=budget)
+        rows = run_batch(model, policy, batch, log, tokenizer, protocol=protocol, kernels="torch", leaving=True,
+                         **settings)  # fmt: skip
+        carried = run_batch(model, make_policy(name, budget=budget), batch, GenerationLog(14), tokenizer,
+                            protocol=protocol, kernels="torch", **settings)  # fmt: skip
     for got, want in zip(rows, expected, strict=True):
         assert got == want
     assert len(calls) >= 2 and calls[-1] < 3
     assert log.rows == 3 and log.generated_tokens == sum(len(row["tokens"]) for row in expected)
-    carried = run_batch(model, make_policy(name, budget=budget), batch, GenerationLog(14), tokenizer,
-                        protocol=protocol, kernels="torch", **settings)  # fmt: skip
     assert [row["tokens"] for row in carried] == [row["tokens"] for row in expected]
+
+
+@contextmanager
+def ending_at(tokenizer, token: int) -> Iterator[None]:
+    """``tokenizer``'s end-of-sequence token is ``token`` inside the block, and its own again after. Not
+    ``monkeypatch``: transformers 5 keeps special tokens in a map behind ``__setattr__``, so pytest 9.2's undo,
+    finding no instance attribute to restore, deletes one that is not there."""
+    before = tokenizer.eos_token_id
+    tokenizer.eos_token_id = token
+    try:
+        yield
+    finally:
+        tokenizer.eos_token_id = before
 
 
 def test_a_regrowth_lays_out_what_a_fresh_ragged_layout_of_the_same_tokens_does():
