@@ -51,10 +51,12 @@ def preset_sweep(overrides: list[str]) -> list[str]:
 
 def refusal(cell: list[str], cells: list[list[str]], error: object) -> str:
     """One line for a cell of a sweep that cannot run: the overrides that set it apart from the other ``cells``
-    (``budget=1.5``), then why."""
+    (``budget=1.5``), then why; an override the error begins with (``policy=streaming``, or its value
+    ``streaming``) is said once."""
     swept = [override for i, override in enumerate(cell) if len({other[i] for other in cells}) > 1]
-    named = [override for override in swept if not str(error).startswith(f"{override}:")]  # the error names it
-    return f"{' '.join(named)}: {error}" if named else str(error)
+    said = str(error)
+    named = [o for o in swept if not said.startswith((f"{o}:", f"{o.split('=', 1)[-1]}:"))]  # the error names it
+    return f"{' '.join(named)}: {said}" if named else said
 
 
 def one_line(error: Exception) -> str:
