@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,9 +126,11 @@ class Partial:
         return before + time.perf_counter() - self.began_wall
 
     def finish(self) -> None:
-        """Remove the file: the records it was kept for are written."""
+        """Remove the file, and its folder once empty: the records it was kept for are written."""
         if self.path is not None:
             self.path.unlink(missing_ok=True)
+            with suppress(OSError):  # other cells' answers are still kept there
+                self.path.parent.rmdir()
 
 
 def _made(made: dict[str, Any]) -> str:
