@@ -29,7 +29,7 @@ from h2o_eval.policies import (
     configured_interval,
     configured_policy,
 )
-from h2o_eval.runners import Evaluation, Runner, check_task_keys, runner_of
+from h2o_eval.runners import Evaluation, Runner, check_generation_keys, check_task_keys, runner_of
 from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
 
@@ -64,6 +64,7 @@ def validate(config: dict[str, Any]) -> Spec:
     check_settings(config)
     task = config["task"]
     check_task_keys(task)
+    check_generation_keys(config)
     policy = configured_policy(config)
     runner = runner_of(task)
     num_fewshot = runner.default_fewshot(task) if config["num_fewshot"] is None else config["num_fewshot"]

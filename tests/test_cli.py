@@ -79,6 +79,7 @@ def test_cli_runs_records_logs_and_skips_the_rerun(tmp_path, data_dir):
     # lm-eval's log lines and W&B's messages go to the run's log file, not to the terminal
     terminal = done.stdout + done.stderr
     assert "[lm_eval." not in terminal and "wandb:" not in terminal, terminal[-3000:]
+    assert "fatal: not a git repository" not in terminal  # run outside a checkout: lm-eval asks git quietly
     (log,) = (tmp_path / "out" / "hydra").rglob("__main__.log")
     assert "[lm_eval.evaluator]" in log.read_text() and "wandb: wandb sync " in log.read_text()
 
@@ -241,6 +242,14 @@ def bad_copa(tmp_path, content: str) -> str:
                 lambda tmp, data: ["task=copa", f"+task.include_path={tmp}", f"data_dir={data}"],
                 "task copa takes no include_path: its settings are lm_eval_yaml, metric, name, runner",
             ),
+            (
+                lambda tmp, data: ["task=gsm8k", "generation.max_new_tokens=0", f"data_dir={data}"],
+                "task gsm8k does not read generation.max_new_tokens=0: set task.max_new_tokens instead",
+            ),
+            (
+                lambda tmp, data: ["task=niah_single_1", "generation.sample=true", f"data_dir={data}"],
+                "task niah_single_1 does not read generation.sample=True: drop it",
+            ),
         ],
         lambda case: "takes no lenght" in case[1],
     ),
@@ -257,6 +266,8 @@ def bad_copa(tmp_path, content: str) -> str:
         "unknown-task-key-long-context",
         "unknown-task-key-summarisation",
         "unknown-task-key-lm_eval",
+        "generation-key-the-task-does-not-read",
+        "sampling-a-task-that-does-not-sample",
     ],
 )
 def test_bad_input_is_one_line_before_any_model_and_leaves_nothing(tmp_path, data_dir, make_args, message):

@@ -50,6 +50,8 @@ class Runner:
     name: ClassVar[str]
     # Task settings the runner reads that a task's own config may leave out.
     optional: ClassVar[tuple[str, ...]] = ()
+    # The ``generation.<key>`` settings it reads (:func:`check_generation_keys` refuses the others when set).
+    generation: ClassVar[tuple[str, ...]] = ()
 
     def settings(self, task: Mapping[str, Any]) -> set[str]:
         """The task settings (``task.<key>``) this runner reads for ``task``: the keys of its own config
@@ -153,6 +155,24 @@ def check_task_keys(task: Mapping[str, Any]) -> None:
     raise ConfigError(
         f"task {task['name']} takes no {', '.join(unknown)}{hint}: its settings are {', '.join(sorted(valid))}"
     )
+
+
+# A ``generation`` setting at this value asks for nothing: the task's own length, greedy decoding, one solution.
+UNSET = {"max_new_tokens": None, "max_words": None, "sample": False, "samples": 1}
+
+
+def check_generation_keys(config: Mapping[str, Any]) -> None:
+    """Refuse a ``generation`` setting that asks for something (:data:`UNSET`) of a task whose runner does not read
+    it (``task=gsm8k generation.max_new_tokens=0``), which would otherwise be stored in the record and change
+    nothing else."""
+    runner = runner_of(config["task"])
+    for key, unset in UNSET.items():
+        value = config["generation"].get(key, unset)
+        if value == unset or key in runner.generation:
+            continue
+        own = f"task.{key}" if key in runner.settings(config["task"]) else None
+        fix = f"set {own} instead" if own else f"drop it (the {runner.name} runner reads no generation.{key})"
+        raise ConfigError(f"task {config['task']['name']} does not read generation.{key}={value!r}: {fix}")
 
 
 def task_registry() -> dict[str, dict[str, Any]]:

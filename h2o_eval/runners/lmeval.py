@@ -11,12 +11,15 @@ The model is :class:`~h2o_eval.eviction_lm.EvictionLM` under :func:`~h2o_eval.ba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import yaml
 
@@ -266,7 +269,10 @@ class LmEvalRunner(Runner):
             manager = task_manager(task, config["data_dir"], Path(folder))
             lm_task = manager.load([task["name"]])["tasks"][task["name"]]
         interval = configured_interval(config, policy)
-        with patch(model, policy, config["protocol"], config["kernels"], config["decoding"], interval) as session:
+        with (
+            patch(model, policy, config["protocol"], config["kernels"], config["decoding"], interval) as session,
+            quiet_git_hash(),
+        ):
             lm = EvictionLM(
                 pretrained=model,
                 tokenizer=tokenizer,
@@ -298,6 +304,18 @@ class LmEvalRunner(Runner):
             **lm.record_fields(),
         }
         return Evaluation(fields, document_scores(output, name), make_table(output))
+
+
+@contextlib.contextmanager
+def quiet_git_hash() -> Iterator[None]:
+    """lm-eval's results name the commit of the working folder (``git describe``, its error printed outside a
+    checkout: ``fatal: not a git repository``); inside the block they take it the way lm-eval falls back to, by
+    reading ``.git`` without a subprocess. The record's own ``git`` is h2o_eval's (:func:`results.git_commit`)."""
+    import lm_eval.evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", lambda: get_commit_from_path(os.getcwd())):
+        yield
 
 
 def _existing(path: Path, task: dict[str, Any]) -> Path:

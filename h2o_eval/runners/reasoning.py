@@ -145,6 +145,7 @@ class ReasoningRunner(Runner):
     """Generate a solution per problem (or several, sampled) and score its final answer."""
 
     name = "reasoning"
+    generation = ("sample", "temperature", "top_p", "samples")
 
     def default_protocol(self, task: Mapping[str, Any]) -> str:
         return "prefill"
@@ -154,7 +155,7 @@ class ReasoningRunner(Runner):
         settings = config["generation"]
         if not settings["sample"]:
             return {}
-        return {"generation": {key: settings[key] for key in ("sample", "temperature", "top_p", "samples")}}
+        return {"generation": {key: settings[key] for key in self.generation}}
 
     def check(self, config: Mapping[str, Any]) -> None:
         task, settings = config["task"], config["generation"]

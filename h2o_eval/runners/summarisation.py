@@ -100,6 +100,7 @@ class SummarisationRunner(Runner):
     """Generate and score a summary per document."""
 
     name = "summarisation"
+    generation = GENERATION
 
     def default_protocol(self, task: Mapping[str, Any]) -> str:
         return "prefill"
