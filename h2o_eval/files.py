@@ -8,16 +8,17 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a synced temporary file renamed over it; temporary files a process killed
-    mid-write left beside it are removed first. The file is readable as the umask allows, not mkstemp's 0600."""
+def atomic_write(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes) to ``path`` through a synced temporary file renamed over it; temporary files a
+    process killed mid-write left beside it are removed first. The file is readable as the umask allows, not
+    mkstemp's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{path.stem}.*.tmp"):
         stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide records from the rest of a group
-        with os.fdopen(fd, "w") as handle:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())

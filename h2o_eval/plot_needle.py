@@ -8,11 +8,10 @@ per-document outputs beside them, where each document's depth and score are.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import figures
+from h2o_eval import figures, packs
 
 
 def needle_rows(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str, Any]]:
@@ -22,11 +21,12 @@ def needle_rows(rows: list[dict[str, Any]], results_dir: Path) -> list[dict[str,
     count per needle depth (none for tasks without a needle)."""
     found = []
     for row in rows:
-        if row["length"] is None or row["outputs"] is None or not (results_dir / row["outputs"]).is_file():
+        if row["length"] is None or row["outputs"] is None:
+            continue
+        if (outputs := packs.outputs(results_dir / row["outputs"])) is None:
             continue
         by_depth: dict[float, list[float]] = {}
-        for line in (results_dir / row["outputs"]).read_text().splitlines():
-            output = json.loads(line)
+        for output in outputs:
             if output.get("depth") is not None:
                 by_depth.setdefault(output["depth"], []).append(output["scores"][row["metric"]])
         found.append(

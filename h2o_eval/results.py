@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import data, settings
+from h2o_eval import data, packs, settings
 from h2o_eval.files import atomic_write
 from h2o_eval.policies import Policy, configured_interval, configured_policy
 from h2o_eval.runners import runner_of
@@ -157,11 +157,16 @@ def partial_path(paths: list[Path], config: dict[str, Any]) -> Path:
 
 def stored(path: Path) -> Path | None:
     """The record of ``path``'s setting if one is stored: at ``path``, or under another name that ends in the same
-    hash (a name that spells out fewer settings), which is still that setting's record: the hash is the identity."""
+    hash (a name that spells out fewer settings), which is still that setting's record: the hash is the identity.
+    Loose or packed (:mod:`h2o_eval.packs`): a packed record is named as its file was."""
     if path.exists():
         return path
     digest_part = path.stem.rsplit("__", 1)[-1]
-    return next(iter(sorted(path.parent.glob(f"*__{digest_part}.json"))), None)
+    loose = sorted(path.parent.glob(f"*__{digest_part}.json"))
+    packed = sorted(name for name in packs.entries(path.parent) if name.endswith(f"__{digest_part}.json"))
+    if path.name in packed:
+        return path
+    return next(iter(loose), None) or next((path.parent / name for name in packed), None)
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
@@ -178,9 +183,7 @@ def outputs_path(record: Path) -> Path:
 def stored_outputs(results_dir: str | Path, config: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The outputs of the record ``config``'s setting has in ``results_dir``, or None without one."""
     record = stored(record_path(results_dir, config))
-    if record is None or not outputs_path(record).exists():
-        return None
-    return [json.loads(line) for line in outputs_path(record).read_text().splitlines()]
+    return None if record is None else packs.outputs(outputs_path(record))
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -218,14 +221,22 @@ def exclusive(record: Path) -> Iterator[None]:
 
 
 def read_record(path: Path) -> dict[str, Any]:
-    """The record at ``path``; :class:`UnreadableRecord`, naming the file, if it is not one."""
+    """The record at ``path``, or packed under its name beside it; :class:`UnreadableRecord`, naming the file, if
+    it is not one."""
+    if not path.exists() and (entry := packs.entries(path.parent).get(path.name)) is not None:
+        return checked(packs.record(entry), f"{path} (in {packs.PACK})")
     try:
         record = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise UnreadableRecord(f"{path} is not valid JSON ({error})") from None
+    return checked(record, str(path))
+
+
+def checked(record: Any, where: str) -> dict[str, Any]:
+    """``record`` if it holds every key of :data:`RECORD_KEYS`; :class:`UnreadableRecord` naming ``where`` if not."""
     missing = [key for key in RECORD_KEYS if key not in record] if isinstance(record, dict) else list(RECORD_KEYS)
     if missing:
-        raise UnreadableRecord(f"{path} is not a record (no {', '.join(missing)})")
+        raise UnreadableRecord(f"{where} is not a record (no {', '.join(missing)})")
     return record
 
 
@@ -238,15 +249,50 @@ def set_aside(path: Path) -> Path:
 
 
 def read_records(results_dir: str | Path) -> tuple[list[dict[str, Any]], list[UnreadableRecord]]:
-    """Every record directly under ``results_dir``, and why each file there that is not one was skipped (temp
-    files of unfinished writes are no records and are ignored)."""
+    """Every record directly under ``results_dir``, loose or packed (a loose file over a packed one of its name),
+    in the order of their names, and why each file there that is not one was skipped (temp files of unfinished
+    writes are no records and are ignored)."""
+    folder = Path(results_dir)
     records, unreadable = [], []
-    for path in sorted(Path(results_dir).glob("*.json")):
+    for name in record_names(folder):
         try:
-            records.append(read_record(path))
+            records.append(read_record(folder / name))
         except UnreadableRecord as error:
             unreadable.append(error)
     return records, unreadable
+
+
+def pack(folder: Path) -> tuple[int, int]:
+    """Pack ``folder``'s loose records and their outputs into its :data:`~h2o_eval.packs.PACK`, with those it
+    holds already, then remove the loose files: the pack is read back and compared first. Returns the records
+    packed and the pack's bytes. Refused (ValueError, naming the fix): a folder without records, a file that is not
+    a record, or answers of a unit stopped part way (``partial/``), which a resumed run takes up."""
+    if not folder.is_dir():
+        raise ValueError(f"no folder {folder}: give a folder of records")
+    if (partial := folder / "partial").is_dir() and any(partial.iterdir()):
+        raise ValueError(f"{partial} holds the answers of a unit stopped part way: finish the run first")
+    loose = sorted(folder.glob("*.json"))
+    records = {name: packs.record(entry) for name, entry in packs.entries(folder).items()}
+    rows = {name: entry["rows"] for name, entry in packs.entries(folder).items() if "rows" in entry}
+    for path in loose:
+        try:
+            records[path.name] = read_record(path)
+        except UnreadableRecord as error:
+            raise ValueError(f"{error}: move it away first") from None
+        if (found := packs.outputs(outputs_path(path))) is not None:
+            rows[path.name] = found
+    if not records:
+        raise ValueError(f"no records in {folder}: give the folder a run wrote its records to")
+    written = packs.write(folder, records, rows)
+    back = packs.entries(folder)
+    if {name: packs.record(entry) for name, entry in back.items()} != records or {
+        name: entry["rows"] for name, entry in back.items() if "rows" in entry
+    } != rows:
+        raise RuntimeError(f"{written} does not read back as the records packed: the loose files are kept")
+    for path in loose:
+        outputs_path(path).unlink(missing_ok=True)
+        path.unlink()
+    return len(records), written.stat().st_size
 
 
 def load_records(results_dir: str | Path) -> list[dict[str, Any]]:
@@ -282,3 +328,36 @@ def git_commit() -> dict[str, Any]:
     commit = git("rev-parse", "HEAD")
     dirty = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"commit": commit, "dirty": bool(dirty) if commit else None}
+
+
+def record_names(folder: Path) -> list[str]:
+    """The file names of ``folder``'s records, loose and packed, sorted."""
+    return sorted({path.name for path in folder.glob("*.json")} | set(packs.entries(folder)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m h2o_eval.results pack DIR [DIR ...]``: each folder's records packed into one file;
+    ``python -m h2o_eval.results list DIR``: the names of its records, loose and packed."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m h2o_eval.results", description=main.__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    packing = commands.add_parser("pack", help="pack each folder's records and outputs into its records.jsonl.gz")
+    packing.add_argument("folders", nargs="+", type=Path)
+    listing = commands.add_parser("list", help="the file names of a folder's records, loose and packed")
+    listing.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        print("\n".join(record_names(args.folder)))
+        return
+    for folder in args.folders:
+        try:
+            count, size = pack(folder)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        print(f"{folder / packs.PACK}: {count} records, {size / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()

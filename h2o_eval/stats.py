@@ -32,13 +32,14 @@ a row without ``document`` is a document of its own.
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from h2o_eval import packs
 
 RESAMPLES = 10_000
 FLIPS = 10_000
@@ -311,19 +312,15 @@ def primary_metric(record: dict[str, Any], default: str = "acc") -> str:
 
 def question_scores(record: dict[str, Any], results_dir: str | Path, metric: str) -> dict[Any, tuple[Any, float]]:
     """The record's per-question ``metric`` by question id, each with its document (the question's id when its
-    row names none), from its outputs file; an empty dict when the record has no outputs file (a record written
-    before they were kept) or its rows do not carry ``metric``."""
+    row names none), from its outputs file or its board's pack; an empty dict when the record has no outputs (a
+    record written before they were kept) or its rows do not carry ``metric``."""
     name = record.get("outputs")
-    path = Path(results_dir) / name if name else None
-    if path is None or not path.is_file():
-        return {}
+    rows = packs.outputs(Path(results_dir) / name) if name else None
     scores = {}
-    with path.open() as handle:
-        for line in handle:
-            row = json.loads(line)
-            if metric not in row.get("scores", {}):
-                return {}
-            scores[row["id"]] = (row.get("document", row["id"]), float(row["scores"][metric]))
+    for row in rows or []:
+        if metric not in row.get("scores", {}):
+            return {}
+        scores[row["id"]] = (row.get("document", row["id"]), float(row["scores"][metric]))
     return scores
 
 

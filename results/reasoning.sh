@@ -6,17 +6,18 @@
 # one task of a stage), then tables:
 #   TASK=math500 bash results/reasoning.sh ../shared/data results/reasoning/records gemma &
 #   TASK=gsm8k bash results/reasoning.sh ../shared/data results/reasoning/records gemma
-#   bash results/reasoning.sh ../shared/data results/reasoning/records tables
+#   bash results/reasoning.sh ../shared/data results/reasoning/records pack tables
 # Stages:
 #   smollm2   +experiment=reasoning for SmolLM2-135M: MATH-500 and GSM8K, LIMIT problems (default the preset's 10)
 #   gemma     the same for Gemma 3 270M
+#   pack      the records packed into RECORDS/records.jsonl.gz (python -m h2o_eval.results pack), as committed
 #   tables    results/reasoning/<metric>/: accuracy, math-verify's, agreement with the full cache and the generated
 #             length against the budget, with paired tests against the full cache; PROVENANCE.md from the records
 set -euo pipefail
 data=${1:-../shared/data}
 out=${2:-results/reasoning/records}
 shift $(( $# < 2 ? $# : 2 ))
-stages=${*:-smollm2 gemma tables}
+stages=${*:-smollm2 gemma pack tables}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
 export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
 board() {
@@ -25,6 +26,7 @@ board() {
 }
 smollm2() { board smollm2-135m; }
 gemma() { board gemma3-270m; }
+pack() { python -m h2o_eval.results pack "$out"; }
 tables() {
     for metric in accuracy math_verify agreement generated_tokens; do
         python -m h2o_eval.plot "$out" --metric "$metric" --out "results/reasoning/$metric" --at 128 256 512

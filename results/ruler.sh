@@ -8,7 +8,7 @@
 # Each stage is one process of one thread at a time; on a 2-core machine run two lanes side by side, then tables:
 #   bash results/ruler.sh ../shared/data results/ruler/records scorers full floor &
 #   bash results/ruler.sh ../shared/data results/ruler/records scorers_gemma full_gemma leaderboard
-#   bash results/ruler.sh ../shared/data results/ruler/records tables
+#   bash results/ruler.sh ../shared/data results/ruler/records pack tables
 # Stages:
 #   scorers       issue 29: the new scorers and the oracle beside the full cache, niah_single_2, context protocol,
 #                 budgets 25/50/75 %, SmolLM2 at 2k (20 documents)
@@ -30,6 +30,9 @@
 #                 thresholds; LANE=i/n splits its units
 #   board_1q      +experiment=kv_leaderboard as it is: RULER's 13 tasks (or BOARD_TASKS=a,b), ONE_LIMIT documents
 #                 (default 40), BOARD_MODEL (default smollm2-135m); a unit is a task's 61 cells; LANE=i/n
+#   pack          each stage's records packed into RECORDS/<stage>/records.jsonl.gz (python -m h2o_eval.results pack),
+#                 as they are committed; a later run beside a pack skips what it holds and writes loose records, which
+#                 packing again folds in
 #   tables        results/ruler/<stage>: tables, paired tests, the headline and the leaderboard (per task under
 #                 leaderboard/tasks) and PROVENANCE.md (the records' commits, dates, machine time and settings),
 #                 from RECORDS/<stage>
@@ -37,7 +40,7 @@ set -euo pipefail
 data=${1:-../shared/data}
 out=${2:-results/ruler/records}
 shift $(( $# < 2 ? $# : 2 ))
-stages=${*:-scorers scorers_gemma full floor full_gemma leaderboard tables}
+stages=${*:-scorers scorers_gemma full floor full_gemma leaderboard pack tables}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
 export SOURCE_DATE_EPOCH=0  # matplotlib's PDFs without a creation date: unchanged results, unchanged files
 grid() { python -m h2o_eval.grid data_dir="$data" wandb.mode=disabled threads=1 "$@"; }
@@ -140,6 +143,12 @@ board_1q() {
             batch_size=1 results_dir="$out/board_1q"
     done
 }
+pack() {
+    local folder
+    for folder in scorers scorers_gemma full floor leaderboard leaderboard_1q board_1q; do
+        [ ! -d "$out/$folder" ] || python -m h2o_eval.results pack "$out/$folder"
+    done
+}
 tables() {
     local folder
     for folder in scorers scorers_gemma full floor leaderboard leaderboard_1q board_1q; do
@@ -155,7 +164,7 @@ tables() {
                 [ "$folder" != leaderboard_1q ] || python -m h2o_eval.plot "$out/leaderboard" --task niah_single_2 qa_1 \
                     --model smollm2-135m --leaderboard --out "results/ruler/$folder/shared"
                 [ "$folder" != board_1q ] || python -m h2o_eval.plot "$out/leaderboard" --model smollm2-135m \
-                    --task "$(ls "$out/$folder" | sed -n 's/^smollm2-135m__\(.*\)-4096__.*\.json$/\1/p' | sort -u | paste -sd,)" \
+                    --task "$(python -m h2o_eval.results list "$out/$folder" | sed -n 's/^smollm2-135m__\(.*\)-4096__.*\.json$/\1/p' | sort -u | paste -sd,)" \
                     --leaderboard --out "results/ruler/$folder/shared" ;;
         esac
         # where the records came from (per commit: count, dates, machine time, threads, versions, settings)
