@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from h2o_eval.checks import check_settings
 from h2o_eval.composed import plain_config
-from h2o_eval.errors import ConfigError, fail
+from h2o_eval.errors import ConfigError, fail, interrupted
 from h2o_eval.names import unknown_keys, unknown_names
 from h2o_eval.threads import default_threads
 
@@ -43,6 +43,8 @@ def main(cfg: DictConfig) -> str:
         from h2o_eval.run import execute, validate
 
         status["status"], _ = execute(validate(config), work_dir, given=config)
+    except KeyboardInterrupt:
+        interrupted((config or given_settings(cfg)).get("results_dir"))
     except Exception as error:
         if not sweeping:
             if isinstance(error, ConfigError):

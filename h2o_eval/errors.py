@@ -16,3 +16,15 @@ def fail(*errors: ConfigError | str) -> NoReturn:
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
+
+
+def interrupted(results_dir: object) -> NoReturn:
+    """Stop on Ctrl-C with one line saying what is kept (records are written whole or not at all; a long-context
+    group keeps its finished batches' answers under ``partial/``) and that the same command resumes; exit status
+    130, as a shell reports an interrupted command."""
+    print(
+        f"interrupted: the records in {results_dir} are kept, whole, and a long-context run's finished batches under "
+        f"{results_dir}/partial/; run the same command again to resume",
+        file=sys.stderr,
+    )
+    sys.exit(130)

@@ -110,9 +110,9 @@ def main(argv: list[str]) -> None:
     (:func:`~h2o_eval.run.computed_once`): a second grid over the same cells, in a lane or on another node
     sharing the folder, waits for it, then takes the records it wrote and computes only what is left."""
     from h2o_eval import results
-    from h2o_eval.errors import fail
+    from h2o_eval.errors import fail, interrupted
     from h2o_eval.names import expand, unknown_keys, unknown_names
-    from h2o_eval.run import computed_once, execute, existing, summary_line, validate
+    from h2o_eval.run import existing, summary_line, validate
 
     overrides = preset_sweep(argv)
     if unknown := unknown_names(overrides) or unknown_keys(overrides):
@@ -141,6 +141,22 @@ def main(argv: list[str]) -> None:
             todo.append(spec)
     print("\n".join(f"refused: {line}" for line in refused))
     print(f"{len(paths)} cells, {len(paths) - len(todo)} with records, {len(todo)} to compute, {len(refused)} refused")
+    try:
+        done = compute_groups(todo)
+    except KeyboardInterrupt:
+        interrupted(cells[0][1]["results_dir"])
+    if done:
+        print("\n".join(["summary:", *(summary_line(record, spec.departures) for spec, record in done)]))
+    if refused:
+        sys.exit(1)
+
+
+def compute_groups(todo: list[Spec]) -> list[tuple[Spec, dict[str, Any]]]:
+    """Compute ``todo``, a group of cells that share their prompts at a time, each cell alone otherwise: each spec
+    with its record."""
+    from h2o_eval import results
+    from h2o_eval.run import computed_once, execute
+
     done = []
     for group in groups(todo):
         if len(group) == 1:
@@ -151,10 +167,7 @@ def main(argv: list[str]) -> None:
             if status == "skipped":  # another grid computed it while this one waited
                 print(f"skipped: {results.stored(spec.path)} was written meanwhile")
             done.append((spec, record))
-    if done:
-        print("\n".join(["summary:", *(summary_line(record, spec.departures) for spec, record in done)]))
-    if refused:
-        sys.exit(1)
+    return done
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -303,3 +304,31 @@ def test_a_setting_checked_by_its_value_is_refused_before_torch_transformers_or_
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), done.stderr[-2000:]
     assert not imported & {"torch", "transformers", "lm_eval.tasks", "datasets"}
     assert "h2o_eval.run" not in imported and "h2o_eval.checks" in imported
+
+
+@pytest.mark.parametrize(
+    "command", [pytest.param(["h2o_eval"], marks=pytest.mark.slow), ["h2o_eval.grid", "policy=full,h2o"]]
+)
+def test_ctrl_c_prints_one_line_of_what_is_kept_and_leaves_nothing_half_written(tmp_path, data_dir, command):
+    """Ctrl-C while a long-context run answers: no traceback, one line that says what is kept and that the same
+    command resumes, exit status 130, and no temporary or lock file left beside the records."""
+    args = ["model=tiny-llama", "task=niah_single_1", "task.length=1500", "limit=200", "batch_size=1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", *command[:1], *args, *command[1:], f"data_dir={data_dir}", "results_dir=out"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    said = ""
+    while "answering niah_single_1" not in said:
+        said += process.stderr.read(1) or pytest.fail(f"it ended before answering: {said[-2000:]}")
+    process.send_signal(signal.SIGINT)
+    said += process.stderr.read()
+    assert process.wait(timeout=60) == 130
+    assert "Traceback" not in said, said[-3000:]
+    last = said.strip().splitlines()[-1].split("\r")[-1]
+    out = tmp_path / "out"
+    assert last == (
+        f"interrupted: the records in {out} are kept, whole, and a long-context run's finished batches under "
+        f"{out}/partial/; run the same command again to resume"
+    )
+    assert not [path for path in (tmp_path / "out").rglob(".*") if path.suffix in (".tmp", ".lock")]
