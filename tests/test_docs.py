@@ -180,6 +180,7 @@ def test_the_readme_and_the_leaderboard_page_count_the_policies_and_name_each_as
     both state the preset's share of them."""
     import yaml
 
+    from h2o_eval.conf import listed
     from h2o_eval.policies import POLICIES
 
     preset = yaml.safe_load((REPO / "conf" / "experiment" / "kv_leaderboard.yaml").read_text())
@@ -187,6 +188,9 @@ def test_the_readme_and_the_leaderboard_page_count_the_policies_and_name_each_as
     readme, board = ((REPO / name).read_text() for name in ("README.md", "docs/leaderboard.md"))
     share = f"{len(swept)} of the {len(POLICIES)} policies"
     assert f"the {len(POLICIES)} policies of" in readme and share in readme.replace("\n", " ") and share in board
+    typed = listed("policy")  # the names policy= takes, as a refusal lists them
+    presets = len(typed) - len(POLICIES)
+    assert f"`policy=` takes {len(typed)} names, those {len(POLICIES)} and {presets} presets" in readme
     section = board[board.index("## The policies it sweeps") : board.index("## A smoke test")]
     sweeps, rest = section.split(f"Of the {len(POLICIES)},")
     assert set(re.findall(r"`([a-z_0-9/]+)`", sweeps)) == set(swept)
