@@ -24,17 +24,19 @@ def available_cores() -> int:
 
 
 def default_threads(launcher: dict[str, Any] | None) -> int:
-    """The cores one job may use: all of them, ÷ ``n_jobs`` under Hydra's joblib launcher (``n_jobs`` -1 is one
-    job per core), the task's ``num_cpus`` under the Ray launcher (Ray's default: 1)."""
-    cores = available_cores()
+    """The threads of one job when ``threads`` is unset: the CPUs its launcher gave it (the task's ``num_cpus``
+    under the Ray launcher, Ray's default 1; ``cpus_per_task`` under submitit's Slurm and local launchers), else
+    one. A model of this project's size gains little from a second thread (SmolLM2 on COPA, 2 idle cores: 1.26x)
+    and loses much when other work shares the cores (beside two busy processes: 1.6x slower than one thread), as
+    threads that wait on each other spin; parallel jobs (joblib's ``n_jobs``, a grid's lanes) take the cores
+    instead."""
     launcher = launcher or {}
     name = str(launcher.get("_target_", "")).rsplit(".", 1)[-1]
-    if name == "JoblibLauncher":
-        jobs = launcher["n_jobs"]
-        return max(1, cores // (jobs if jobs > 0 else max(1, cores + 1 + jobs)))
     if name == "RayLauncher":
         return int((launcher.get("ray") or {}).get("remote", {}).get("num_cpus") or 1)
-    return cores
+    if name in ("SlurmLauncher", "LocalLauncher"):
+        return int(launcher.get("cpus_per_task") or 1)
+    return 1
 
 
 def apply(threads: int) -> dict[str, Any]:

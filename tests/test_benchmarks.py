@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -244,3 +247,23 @@ def test_gpu_check_refuses_an_unknown_policy_in_one_line(capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "h2o" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_timed_command_runs_beside_busy_processes_that_stop_with_its_round(monkeypatch, tmp_path):
+    """benchmarks.commands: each run is a fresh process in a fresh results folder, its CPU time its own; the busy
+    processes beside a round spin while it runs and are gone after it."""
+    from h2o_eval.benchmarks import commands
+
+    seen = tmp_path / "seen"
+    monkeypatch.setitem(commands.COMMANDS, "probe", f"python -c 'sum(range(10**7)); print(\"{{out}}\")' >> {seen}")
+    busy = f"import os; open('{tmp_path}/busy-' + str(os.getpid()), 'w').close()\nwhile True: pass"
+    monkeypatch.setattr(commands, "BUSY", busy)
+    runs = commands.round_of("probe", argparse.Namespace(runs=2, data_dir=tmp_path), 2, tmp_path)
+    assert len(runs) == 2 and all(code == 0 and cpu > 0 and wall > 0 for wall, cpu, code in runs)
+    folders = seen.read_text().split()
+    assert len(set(folders)) == 2 and not any(Path(folder).exists() for folder in folders)
+    pids = [int(path.name.split("-")[1]) for path in tmp_path.glob("busy-*")]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

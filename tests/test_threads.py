@@ -38,17 +38,18 @@ def test_threads_are_not_part_of_a_records_identity(tmp_path):
     assert results.record_path(tmp_path, one) == results.record_path(tmp_path, two)
 
 
-def test_the_default_shares_the_cores_among_parallel_jobs(monkeypatch):
+def test_the_default_is_one_thread_unless_a_launcher_gave_the_job_cpus(monkeypatch):
     monkeypatch.setattr(threads, "available_cores", lambda: 8)
     joblib = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
     ray = "hydra_plugins.hydra_ray_launcher.ray_launcher.RayLauncher"
-    assert threads.default_threads(None) == 8
-    assert threads.default_threads({"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}) == 8
-    assert threads.default_threads({"_target_": joblib, "n_jobs": 2}) == 4
-    assert threads.default_threads({"_target_": joblib, "n_jobs": 10}) == 1
-    assert threads.default_threads({"_target_": joblib, "n_jobs": -1}) == 1
+    slurm = "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert threads.default_threads(None) == 1
+    assert threads.default_threads({"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}) == 1
+    assert threads.default_threads({"_target_": joblib, "n_jobs": 2}) == 1
     assert threads.default_threads({"_target_": ray, "ray": {"remote": {}}}) == 1
     assert threads.default_threads({"_target_": ray, "ray": {"remote": {"num_cpus": 3}}}) == 3
+    assert threads.default_threads({"_target_": slurm, "cpus_per_task": None}) == 1
+    assert threads.default_threads({"_target_": slurm, "cpus_per_task": 6}) == 6
 
 
 def test_a_loaded_numba_keeps_compiling_after_the_setting(monkeypatch):
