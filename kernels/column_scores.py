@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from h2o_eval.kernels.decode_attention import dot_precision
 from h2o_eval.kernels.reference import first_voters
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from h2o_eval.kernels.decode_attention import group_block, slot_block
 
 REPLACE = tl.constexpr(1)  # decode votes: 0 adds the attention into the scores, 1 replaces them, 2 leaves them

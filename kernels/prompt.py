@@ -11,8 +11,9 @@ both. Imports no Triton unless asked for the Triton path.
 from __future__ import annotations
 
 import torch
-from h2o_eval.kernels.reference import column_scores_reference, first_voters
 from torch.nn.attention import SDPBackend
+
+from h2o_eval.kernels.reference import column_scores_reference, first_voters
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 

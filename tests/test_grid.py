@@ -846,8 +846,9 @@ def test_answers_kept_on_another_device_or_thread_count_or_as_a_pickle_are_start
 def test_a_config_groups_files_are_read_once_and_each_caller_gets_its_own_copy(monkeypatch):
     """A grid checks every cell's names against the config groups: the YAML files are parsed at the first call
     only, and a caller that changes what it got changes nothing the next caller gets."""
-    import h2o_eval.conf as conf
     import yaml
+
+    import h2o_eval.conf as conf
 
     conf._read.cache_clear()
     parsed = []

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from h2o_eval.conf import options
 from omegaconf import OmegaConf
 
+from h2o_eval.conf import options
 from h2o_eval.names import compose
 from h2o_eval.policies import configured_policy, make_policy
 
