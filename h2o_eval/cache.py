@@ -84,9 +84,13 @@ class Statistics:
     peak_entries: int
     graphs: DecodeGraphs | None
     held_most: int
+    evicted: tuple[list[float], list[int | None]]
 
     def realised(self) -> list[torch.Tensor]:
         return self.capacities
+
+    def evictions(self) -> tuple[list[float], list[int | None]]:
+        return self.evicted
 
     def kv_bytes(self) -> int:
         return self.allocated_bytes
@@ -235,6 +239,26 @@ class EvictionCache(Cache):
     def peak_entries(self, value: int) -> None:
         self._peak_entries = value
 
+    def evicted_tokens(self) -> torch.Tensor:
+        """[B] float32: per sequence, the tokens its cache has let go: those it has seen less those it holds, per KV
+        head, the mean over the layers that do not slide (a sliding window drops tokens as the model does). On the
+        device; nothing is read."""
+        seen = self.shared.last.view(-1, 1).to(torch.float32) + 1
+        gone = [seen - layer.held.sum(-1) for layer in self.layers if layer.window is None and layer.is_initialized]
+        return torch.stack(gone).mean(dim=(0, 2))
+
+    def note_evictions(self) -> None:
+        """After a watched forward (:func:`~h2o_eval.generation.passes.decode` with ``watch``): each sequence that
+        holds fewer tokens than it has seen, and held them all after every earlier watched forward, is noted with this
+        forward's number (the generated token it gave; ``Sequences.evicted_from``). On the device; nothing is read."""
+        shared = self.shared
+        gone = self.evicted_tokens() > 0
+        if shared.evicted_from is None:
+            shared.evicted_from = torch.full_like(gone, -1, dtype=torch.int64)
+        first = (shared.evicted_from < 0) & gone
+        shared.evicted_from.masked_fill_(first, shared.forwards)
+        shared.forwards += 1
+
     def check_faults(self) -> None:
         """Raise what decode steps noted on the device (a padding token after the prompt; a full cache whose every
         held token was protected): called where the cache is read or fed a chunk, so no decode step waits for the
@@ -363,7 +387,16 @@ class EvictionCache(Cache):
             peak_entries=self.peak_entries,
             graphs=self.graphs,
             held_most=max(int(layer.held.sum(-1).max()) for layer in self.layers if layer.window is None),
+            evicted=self.evictions(),
         )
+
+    def evictions(self) -> tuple[list[float], list[int | None]]:
+        """Per sequence, the tokens its cache has let go (:meth:`evicted_tokens`, read now) and the generated token
+        from which it had (:meth:`note_evictions`; None where no forward was watched or none had let a token go)."""
+        gone = [round(float(tokens), 2) for tokens in self.evicted_tokens().tolist()]
+        first = self.shared.evicted_from
+        since = [None] * len(gone) if first is None else [None if f < 0 else f for f in first.tolist()]
+        return gone, since
 
     # -- decode steps as CUDA graphs (h2o_eval.graphs) -------------------------------------------------------------
 

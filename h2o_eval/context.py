@@ -81,6 +81,10 @@ class Sequences:
         self.rehearsing: int | None = None
         self.script: Script | None = None
         self.real: torch.Tensor | None = None  # [B] bool: every token after the first chunk was real (no padding)
+        # Where generate's forwards are watched (EvictionCache.note_evictions): the forwards so far, and per sequence
+        # [B] the first after which it held fewer tokens than it had seen (-1: none yet).
+        self.forwards = 0
+        self.evicted_from: torch.Tensor | None = None
         self._limits: dict[int, torch.Tensor] = {}
         self._plans: dict[tuple, torch.Tensor] = {}
 
@@ -144,6 +148,8 @@ class Sequences:
         index = None if self.last is None else torch.tensor(rows, device=self.last.device)
         copy.last = None if self.last is None else self.last[index]
         copy.real = None if self.real is None else self.real[index]
+        copy.forwards = self.forwards
+        copy.evicted_from = None if self.evicted_from is None else self.evicted_from[index]
         return copy
 
 

@@ -165,11 +165,14 @@ class GenerationLog:
     ) -> list[dict[str, Any]]:
         """Log one finished batch; returns per row its generated ``tokens`` and the fields every output row holds:
         ``prompt_tokens``, ``generated_tokens``, ``capacity`` (C, mean over layers and KV heads), ``budget_tokens``
-        (the length the budget applied to) and ``kv_entries`` (KV entries kept, summed over layers and heads).
-        ``cpu``: the batch's CPU seconds by part (:data:`PARTS`)."""
+        (the length the budget applied to), ``kv_entries`` (KV entries kept, summed over layers and heads),
+        ``evicted_tokens`` (the tokens let go per KV head, mean over the layers that do not slide) and
+        ``evicted_from`` (the generated token from which the cache had let one go, where ``decode`` watched it; None
+        where it never did). ``cpu``: the batch's CPU seconds by part (:data:`PARTS`)."""
         generated = new_tokens(sequences, batch.input_ids.shape[1], ends)
         capacities = self.capacity.add(cache)
         entries = self.capacity.entries[-len(generated) :]
+        gone, since = cache.evictions()
         prompts = batch.prompt_tokens
         self.rows += len(generated)
         self.prompt_tokens += sum(prompts)
@@ -192,9 +195,11 @@ class GenerationLog:
                 "capacity": round(capacity, 2),
                 "budget_tokens": budget,
                 "kv_entries": round(kept),
+                "evicted_tokens": evicted,
+                "evicted_from": first,
             }
-            for tokens, prompt, capacity, budget, kept in zip(
-                generated, prompts, capacities, cache.lengths, entries, strict=True
+            for tokens, prompt, capacity, budget, kept, evicted, first in zip(
+                generated, prompts, capacities, cache.lengths, entries, gone, since, strict=True
             )
         ]
 

@@ -4,11 +4,12 @@ is compressed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from h2o_eval.cache import EvictionCache
 from h2o_eval.generation.batches import end_tokens, eos_tokens, new_tokens
@@ -39,23 +40,44 @@ def decode(
     attention_mask: torch.Tensor,
     cpu: dict[str, float] | None = None,
     first: str = "question",
+    watch: bool = False,
     **kwargs: Any,
 ):
     """``model.generate`` through ``cache`` (already fed whatever precedes ``input_ids``' unseen columns); its
-    forwards' CPU seconds go to ``cpu`` (:func:`~h2o_eval.generation.log.forwards_into`: the first to ``first``)."""
-    with torch.no_grad(), forwards_into(model, cpu, first):
+    forwards' CPU seconds go to ``cpu`` (:func:`~h2o_eval.generation.log.forwards_into`: the first to ``first``).
+    ``watch``: after each forward the cache notes which sequences have let a token go
+    (:meth:`~h2o_eval.cache.EvictionCache.note_evictions`), a few reductions on the device per forward."""
+    with torch.no_grad(), forwards_into(model, cpu, first), watching(model, cache if watch else None):
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
 
 
-class _AnyRowEnds(StoppingCriteria):
-    """Stops ``generate`` for every row as soon as one row ends (its last token is an end of sequence)."""
+@contextlib.contextmanager
+def watching(model: Any, cache: EvictionCache | None) -> Iterator[None]:
+    """Within the block, ``cache`` notes its evictions after every forward of ``model`` (nothing where it is
+    None)."""
+    if cache is None:
+        yield
+        return
+    handle = model.register_forward_hook(lambda module, args, output: cache.note_evictions())
+    try:
+        yield
+    finally:
+        handle.remove()
 
-    def __init__(self, ends: set[int], device: torch.device) -> None:
-        self.ends = torch.tensor(sorted(ends), device=device)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        ended = torch.isin(input_ids[:, -1], self.ends).any()
-        return ended.expand(input_ids.shape[0]).clone()
+class _RowEnds(StoppingCriteria):
+    """Which rows have ended: their last token is an end of sequence, or their text ends in a stop string
+    (``stops``: transformers' ``StopStringCriteria``); as a stopping criterion (``any_row``), every row stops as soon
+    as one has ended."""
+
+    def __init__(self, ends: set[int], device: torch.device, stops: StoppingCriteria | None, any_row: bool) -> None:
+        self.ends, self.stops, self.any_row = torch.tensor(sorted(ends), device=device), stops, any_row
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        ended = torch.isin(input_ids[:, -1], self.ends)
+        if self.stops is not None:
+            ended |= self.stops(input_ids, scores)
+        return ended.any().expand(input_ids.shape[0]).clone() if self.any_row else ended
 
 
 def decode_leaving(
@@ -71,18 +93,21 @@ def decode_leaving(
     :meth:`~h2o_eval.groups.StackedCache.rows`, an :meth:`~h2o_eval.cache.EvictionCache.rows`) and ``generate`` goes
     on for them. ``leave(rows, cache, sequences)``, where given, is told of the rows (indices into ``input_ids``) as
     they leave, with a cache of theirs alone as it is then and their sequences; the last rows with the cache itself.
-    Returns what :func:`decode` returns: the rows' sequences, a row that ended padded after it with
-    ``pad_token_id``."""
+    ``stop_strings`` (with ``tokenizer``): a row whose text ends in one of them has ended too. Returns what
+    :func:`decode` returns: the rows' sequences, a row that ended padded after it with ``pad_token_id``."""
     ends = eos_tokens(model)
     width, total, pad = input_ids.shape[1], kwargs["max_new_tokens"], kwargs.get("pad_token_id")
     rows, done = list(range(input_ids.shape[0])), {}
-    stop = StoppingCriteriaList([_AnyRowEnds(ends, input_ids.device)]) if ends else None
+    strings = kwargs.pop("stop_strings", None)
+    stops = StopStringCriteria(kwargs["tokenizer"], strings) if strings else None
+    ended_rows = _RowEnds(ends, input_ids.device, stops, any_row=False)
+    stop = StoppingCriteriaList([_RowEnds(ends, input_ids.device, stops, any_row=True)]) if ends or stops else None
     ids, mask = input_ids, attention_mask
     while True:
         left = total - (ids.shape[1] - width)
         ids = decode(model, cache, ids, mask, stopping_criteria=stop, **kwargs | {"max_new_tokens": left})
         kwargs["first"] = "decoding"
-        ended = [j for j in range(len(rows)) if int(ids[j, -1]) in ends]
+        ended = ended_rows(ids, None).nonzero().flatten().tolist() if ids.shape[1] > width else []
         if ids.shape[1] - width >= total or not ended or len(ended) == len(rows):
             done |= dict(zip(rows, ids[:, width:], strict=True))
             if leave is not None:
