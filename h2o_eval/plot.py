@@ -38,6 +38,7 @@ from typing import Any
 
 from h2o_eval import plot_needle
 from h2o_eval.checks import budget_value
+from h2o_eval.reports.board import write_board
 from h2o_eval.reports.figures import write_figures
 from h2o_eval.reports.headline import headline_markdown, long_context, write_headline
 from h2o_eval.reports.leaderboards import write_leaderboards
@@ -80,6 +81,12 @@ def main(argv: list[str] | None = None) -> None:
         "and settings",
     )
     parser.add_argument(
+        "--board",
+        action="store_true",
+        help="reasoning records: board.md, per task and model the budget in tokens as rows and a column per policy, "
+        "for agreement, the kept trace, accuracy, the generated length, the loop share and the evicting share",
+    )
+    parser.add_argument(
         "--leaderboard",
         action="store_true",
         help="long-context tasks: the mean over tasks per policy and compression ratio instead (table and figure)",
@@ -106,6 +113,11 @@ def _plot(args: argparse.Namespace, out: Path) -> None:
             f" --{name} {' '.join(getattr(args, name))}" for name in ("task", "model") if getattr(args, name)
         )
         print(write_provenance(records, str(args.results_dir), out, options))
+        return
+    if args.board:
+        files = write_board(records, out)
+        print("\n".join(map(str, files)))
+        print(files[0].read_text())
         return
     rows = table(records, args.metric)
     if args.needle:

@@ -312,15 +312,17 @@ def primary_metric(record: dict[str, Any], default: str = "acc") -> str:
 
 def question_scores(record: dict[str, Any], results_dir: str | Path, metric: str) -> dict[Any, tuple[Any, float]]:
     """The record's per-question ``metric`` by question id, each with its document (the question's id when its
-    row names none), from its outputs file or its board's pack; an empty dict when the record has no outputs (a
-    record written before they were kept) or its rows do not carry ``metric``."""
+    row names none), from its outputs file or its board's pack, without the questions the score does not apply to
+    (None: the reasoning runner's agreement where the full cache wrote no real solution); an empty dict when the
+    record has no outputs (a record written before they were kept) or its rows do not carry ``metric``."""
     name = record.get("outputs")
     rows = packs.outputs(Path(results_dir) / name) if name else None
     scores = {}
     for row in rows or []:
         if metric not in row.get("scores", {}):
             return {}
-        scores[row["id"]] = (row.get("document", row["id"]), float(row["scores"][metric]))
+        if row["scores"][metric] is not None:  # None: the score does not apply to this question
+            scores[row["id"]] = (row.get("document", row["id"]), float(row["scores"][metric]))
     return scores
 
 

@@ -173,13 +173,18 @@ def _draw_model(
             + (f" – {model}" if len(models) > 1 else "")
         )
         oracle = method[policy] == "oracle"
+        color = shade if oracle else colors[number % len(colors)]
+        shifted = offset(ax, drawn.index((model, policy, protocol)), len(drawn))
+        for quiet in (p for p in points if p["no_eviction"]):  # marked on the axis, never drawn as a score
+            ax.annotate("no eviction", (x_of(quiet, tokens), 0.02), xycoords=("data", "axes fraction"), rotation=90,
+                        fontsize=7, color=color, va="bottom", ha="center")  # fmt: skip
         _draw_points(
             ax,
-            points,
-            offset(ax, drawn.index((model, policy, protocol)), len(drawn)),
+            [p for p in points if not p["no_eviction"]],
+            shifted,
             tokens,
             label=label,
-            color=shade if oracle else colors[number % len(colors)],
+            color=color,
             linestyle=":" if oracle else "-" if index == 0 else "-.",
             markersize=4 if oracle else 6,
         )

@@ -23,13 +23,14 @@ def _baseline(rows: list[dict[str, Any]], row: dict[str, Any], against: str) -> 
 
 
 def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "full") -> list[dict[str, Any]]:
-    """Each row (but ``against``'s own) compared question by question with its baseline (see :func:`_baseline`):
-    the row plus ``against``, ``baseline`` (its value), ``paired`` (a :class:`~h2o_eval.stats.Paired`) and
-    ``pairs`` (the aligned per-question scores and each question's document). Rows without per-question scores,
-    without a baseline or scored on other questions than it are left out. A setting run on several tasks also
-    gets a row whose task is ``mean of N tasks``: the mean of the per-task differences, resampled within each
-    task (none when a task was scored on several ``limit`` values: which documents stand for it is not the
-    table's to choose); its tasks may differ in their questions per context (:func:`policies_per_task`)."""
+    """Each row (but ``against``'s own) compared question by question with its baseline (see :func:`_baseline`): the
+    row plus ``against``, ``baseline`` (its value), ``paired`` (a :class:`~h2o_eval.stats.Paired`) and ``pairs``
+    (the aligned per-question scores and each question's document). Rows without per-question scores, without a
+    baseline, scored on other questions than it, or of a cell that evicted nothing are left out. A setting run
+    on several tasks also gets a row whose task is ``mean of N tasks``: the mean of the per-task differences,
+    resampled within each task (none when a task was scored on several ``limit`` values: which documents stand
+    for it is not the table's to choose); its tasks may differ in their questions per context
+    (:func:`policies_per_task`)."""
     documents: dict[str | None, dict] = {}
 
     def scores(row: dict[str, Any]) -> dict:
@@ -39,6 +40,8 @@ def paired_rows(rows: list[dict[str, Any]], results_dir: Path, against: str = "f
 
     compared = []
     for row in rows:
+        if row["no_eviction"]:  # not a score (tables.no_eviction)
+            continue
         base = _baseline(rows, row, against) if row["method"] != against else None
         if base is None or not scores(row) or not scores(base):
             continue

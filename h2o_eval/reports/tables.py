@@ -79,7 +79,8 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             "metric": name,
             "value": record["metrics"][name],
             "stderr": record["metrics"].get(f"{name}_stderr"),
-            "n_samples": record["n_samples"],
+            "n_samples": record["metrics"].get(f"{name}_n", record["n_samples"]),
+            "no_eviction": no_eviction(record),
             "num_fewshot": record["num_fewshot"],
             "limit": record["limit"],
             "outputs": record.get("outputs"),
@@ -92,6 +93,20 @@ def table(records: list[dict[str, Any]], metric: str | None = None) -> list[dict
             _check_one_setting(newest[key], row)
         newest[key] = row
     return sorted(newest.values(), key=lambda r: (r["task"], r["model"], r["protocol"], r["policy"], r["budget"]))
+
+
+def no_eviction(record: dict[str, Any]) -> bool:
+    """Whether a record that counts its evictions (``metrics.evicted``, the share of problems whose cache let a
+    token go: the reasoning runner's) evicted nothing in any problem, under a policy that may evict: its scores are
+    the full cache's by construction, and reports mark it "no eviction" instead of showing them."""
+    return record["metrics"].get("evicted") == 0 and record["policy"] != "full"
+
+
+def shown(row: dict[str, Any], digits: int = 4) -> str:
+    """A row's value as the tables print it (``value ± stderr``), or "no eviction" (:func:`no_eviction`)."""
+    if row.get("no_eviction"):
+        return "no eviction"
+    return f"{row['value']:.{digits}f}" + (f" ± {row['stderr']:.{digits}f}" if row["stderr"] is not None else "")
 
 
 def kept_share(record: dict[str, Any]) -> float | None:
@@ -170,10 +185,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        value = f"{r['value']:.4f}" + (f" ± {r['stderr']:.4f}" if r["stderr"] is not None else "")
         lines.append(
             f"| {r['task']} | {r['model']} | {r['protocol']} | {r['policy']} | {percent(r['budget'])} | {r['metric']} "
-            f"| {value} | {r['n_samples']} | {r['num_fewshot']} | {r['limit']} |"
+            f"| {shown(r)} | {r['n_samples']} | {r['num_fewshot']} | {r['limit']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -239,9 +253,7 @@ def side_by_side(rows: list[dict[str, Any]], budget: float) -> str:
     mixed = mixed_limits(rows)
 
     def show(r: dict[str, Any] | None) -> str:
-        if r is None:
-            return ""
-        return f"{r['value']:.3f}" + (f" ± {r['stderr']:.3f}" if r["stderr"] is not None else "")
+        return "" if r is None else shown(r, 3)
 
     header = ["task", "model", "metric", "n", "full", *(f"{p} ({protocol})" for p, protocol in columns)]
     lines = ["| " + " | ".join(header) + " |", "|---|---|---|---:|" + "---:|" * (len(columns) + 1)]
@@ -284,10 +296,12 @@ def write_tables(rows: list[dict[str, Any]], out: Path, at: list[float] | None =
     """``summary.csv`` and ``summary.md`` (:func:`markdown` and :func:`compute`) of ``rows`` under ``out`` and, for
     each budget in ``at``, the policies side by side in ``at_<budget>.md``; returns the files."""
     out.mkdir(parents=True, exist_ok=True)
+    marked = any(r["no_eviction"] for r in rows)  # a column of its own only where some row evicted nothing
     with (out / "summary.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        columns = [*COLUMNS, *(["no_eviction"] if marked else [])]
+        writer = csv.DictWriter(handle, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**r, "value": None} if r["no_eviction"] else r for r in rows)
     (out / "summary.md").write_text(markdown(rows) + compute(rows))
     written = [out / "summary.csv", out / "summary.md"]
     for budget in at or []:
