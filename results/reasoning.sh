@@ -8,11 +8,12 @@
 #   TASK=gsm8k bash results/reasoning.sh ../shared/data results/reasoning/records gemma
 #   bash results/reasoning.sh ../shared/data results/reasoning/records pack tables
 # Stages:
-#   smollm2   +experiment=reasoning for SmolLM2-135M: MATH-500 and GSM8K, LIMIT problems (default the preset's 10)
+#   smollm2   +experiment=reasoning for SmolLM2-135M: MATH-500 and GSM8K, LIMIT problems (default the preset's)
 #   gemma     the same for Gemma 3 270M
 #   pack      the records packed into RECORDS/records.jsonl.gz (python -m h2o_eval.results pack), as committed
-#   tables    results/reasoning/<metric>/: accuracy, math-verify's, agreement with the full cache and the generated
-#             length against the budget, with paired tests against the full cache; PROVENANCE.md from the records
+#   tables    results/reasoning/board.md (the budget in tokens as rows, a column per policy: agreement, the kept trace,
+#             accuracy, the generated length, the loop share, the evicting share); results/reasoning/<metric>/: each
+#             score against the budget, with paired tests against the full cache; PROVENANCE.md from the records
 set -euo pipefail
 data=${1:-../shared/data}
 out=${2:-results/reasoning/records}
@@ -28,8 +29,9 @@ smollm2() { board smollm2-135m; }
 gemma() { board gemma3-270m; }
 pack() { python -m h2o_eval.results pack "$out"; }
 tables() {
-    for metric in accuracy math_verify agreement generated_tokens; do
-        python -m h2o_eval.plot "$out" --metric "$metric" --out "results/reasoning/$metric" --at 128 256 512
+    python -m h2o_eval.plot "$out" --board --out results/reasoning
+    for metric in agreement same_trace first_departure accuracy math_verify generated_tokens loop blank evicted; do
+        python -m h2o_eval.plot "$out" --metric "$metric" --out "results/reasoning/$metric" --at 64 128 256
     done
     python -m h2o_eval.plot "$out" --out results/reasoning --provenance
 }
