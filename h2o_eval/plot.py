@@ -2,6 +2,7 @@
 
     python -m h2o_eval.plot [results_dir] [--task copa ...] [--model smollm2-135m ...] [--out DIR] [--at 0.2 ...]
     python -m h2o_eval.plot [results_dir] --leaderboard
+    python -m h2o_eval.plot [results_dir] --board
 
 One figure per task (PNG and PDF): a line per (model, policy, protocol) with lm-eval's stderr as error bars, the
 full cache of each model as a dashed reference and the oracle (policy ``oracle``) as a dotted one, the budget in
@@ -20,6 +21,10 @@ RULER's thirteen ran), whose interval resamples documents within each task. ``--
 protocol and length, that mean as a table policy x compression ratio (1 − budget, kvpress's convention; the full
 cache's ceiling row first, then the oracle's) in Markdown and CSV, and the figure score against compression
 ratio. ``--needle`` draws the long-context tasks' depth x length heatmaps instead (:mod:`h2o_eval.plot_needle`).
+
+``--board`` writes the reasoning board's ``board.md`` instead (:mod:`h2o_eval.reports.board`): per task and model the
+budget in tokens as rows and a column per policy. A record that evicted nothing in any problem (``metrics.evicted``
+0) says "no eviction" in every table and figure instead of its scores, and is left out of the paired tests.
 
 ``--provenance`` writes ``PROVENANCE.md`` instead: where the records came from, read from the records themselves
 (per commit: how many, whether its tree was dirty, when, the machine time, threads and library versions, what
