@@ -1,0 +1,126 @@
+"""Stacked caches: several compressed caches answer one batch, each row as its cache alone, rows leaving as their
+answers end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_config
+
+from h2o_eval import generation
+from h2o_eval.cache import EvictionCache
+from h2o_eval.errors import ConfigError
+from h2o_eval.groups import SharedPrompt
+from h2o_eval.models import load_model
+from h2o_eval.policies import make_policy
+from h2o_eval.run import validate
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_a_stack_decodes_each_cache_as_alone_and_leaves_the_caches_as_they_were(name):
+    """Reference: each compressed cache (a full cache and H2O, SnapKV and StreamingLLM at budgets whose slots differ
+    in number) decoding a question alone; implementation: the same caches stacked, decoding it in one batch. Every
+    row generates the tokens its own cache generates alone, and the stacked caches still hold what they held."""
+    model, _ = load_model(name, device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randint(5, model.config.vocab_size, (2, 48), generator=generator)
+    prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (2, 6), generator=generator)], 1)
+    cells = [("full", 1.0), ("h2o", 0.3), ("snapkv", 0.5), ("streaming", 0.2)]
+    settings = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
+
+    def compressed():
+        caches = [EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow") for p, b in cells]
+        generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
+        return caches
+
+    alone = [
+        generation.decode(model, cache, prompt, torch.ones_like(prompt), **settings)[:, prompt.shape[1] :]
+        for cache in compressed()
+    ]
+    assert len({tuple(a.flatten().tolist()) for a in alone}) > 2, "the caches should answer differently here"
+    caches = compressed()
+    before = [[(layer.keys.clone(), layer.held.clone()) for layer in cache.layers] for cache in caches]
+    held = {int(next(layer for layer in cache.layers if layer.window is None).held.sum()) for cache in caches}
+    assert len(held) == len(cells), "the caches should hold different numbers of slots"
+    stacked = EvictionCache.stack(caches)
+    together = generation.decode(model, stacked, prompt.repeat(len(cells), 1), None, **settings)
+    assert torch.equal(together[:, prompt.shape[1] :], torch.cat(alone))
+    for cache, held in zip(caches, before, strict=True):
+        for layer, (keys, slots) in zip(cache.layers, held, strict=True):
+            assert torch.equal(layer.keys, keys) and torch.equal(layer.held, slots)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate_carried_to_the_end(name, monkeypatch):
+    """Reference: a stack of compressed caches decoding a question in one ``generate``, every row carried to the
+    longest answer; implementation: :func:`decode_leaving`, each row leaving the batch at its end of sequence (a
+    token the rows generate at different steps). The same sequences, and ``generate`` ran again as rows left."""
+    model, _ = load_model(name, device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randint(5, model.config.vocab_size, (2, 48), generator=generator)
+    prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (2, 6), generator=generator)], 1)
+    cells = [("full", 1.0), ("h2o", 0.3), ("snapkv", 0.5), ("streaming", 0.2)]
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+
+    def stacked():
+        caches = [EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow") for p, b in cells]
+        generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
+        return EvictionCache.stack(caches)
+
+    ids = prompt.repeat(len(cells), 1)
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)
+    free = generation.decode(model, stacked(), ids, None, **settings)[:, ids.shape[1] :]
+    ends = {}  # a token and the rows that generate it first at a step of their own, the first three steps not
+    for row in range(free.shape[0]):
+        for step, token in enumerate(free[row].tolist()[:9]):
+            ends.setdefault(token, {}).setdefault(row, step)
+    token = max(ends, key=lambda t: (len(set(ends[t].values())), len(ends[t])))
+    assert len(set(ends[token].values())) >= 2, "rows should end at different steps here, or the test proves little"
+    monkeypatch.setattr(model.generation_config, "eos_token_id", token)
+    carried = generation.decode(model, stacked(), ids, torch.ones_like(ids), **settings)
+    calls, decode = [], generation.passes.decode
+    monkeypatch.setattr(generation.passes, "decode", lambda *a, **k: calls.append(a[2].shape[0]) or decode(*a, **k))
+    leaving = generation.passes.decode_leaving(model, stacked(), ids, torch.ones_like(ids), **settings)
+    assert torch.equal(leaving, carried[:, : leaving.shape[1]]) and (carried[:, leaving.shape[1] :] == 0).all()
+    assert len(calls) >= 2 and calls == sorted(calls, reverse=True) and calls[-1] < len(ids)
+
+
+def test_a_stack_going_on_with_some_rows_copies_only_the_caches_that_lose_rows():
+    """StackedCache.rows: a view that keeps all its rows goes on as it is (no copy while rows leave), one that keeps
+    some goes on as a copy of those rows alone, one that keeps none leaves."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(5, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    caches = []
+    for budget in (0.3, 0.5, 0.7):
+        caches.append(EvictionCache(model, make_policy("h2o", budget=budget), protocol="context", decoding="grow"))
+        with torch.no_grad():
+            model(ids, cache=caches[-1], use_cache=True)
+    stacked = EvictionCache.stack(caches)
+    kept = stacked.rows([0, 1, 3])
+    assert kept.views[0] is stacked.views[0] and len(kept.views) == 2 and kept.lengths == [40, 40, 40]
+    assert kept.views[1] is not stacked.views[1] and len(kept.views[1].lengths) == 1
+    held = [layer.held for layer in stacked.views[1].layers]
+    assert all(torch.equal(a.held, b[1:]) for a, b in zip(kept.views[1].layers, held, strict=True))
+
+
+def test_only_compressed_caches_that_evict_nothing_more_and_saw_the_same_tokens_are_stacked():
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(5, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+
+    def fed(decoding, tokens):
+        cache = EvictionCache(model, make_policy("h2o", budget=0.3), protocol="context", decoding=decoding)
+        with torch.no_grad():
+            model(tokens, cache=cache, use_cache=True)
+        return cache
+
+    assert EvictionCache.stack([fed("grow", ids), fed("grow", ids)]).lengths == [40, 40]
+    with pytest.raises(ValueError, match="decoding=grow"):
+        EvictionCache.stack([fed("grow", ids), fed("evict", ids)])
+    with pytest.raises(ValueError, match="seen different tokens"):
+        EvictionCache.stack([fed("grow", ids), fed("grow", ids[:, :30])])
+
+
+def test_stacking_cells_needs_the_context_protocol_and_grow(data_dir, tmp_path):
+    config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", stack_cells=True)
+    with pytest.raises(ConfigError, match="stack_cells=true .* protocol=context decoding=grow only"):
+        validate(config)
