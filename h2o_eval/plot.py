@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         "--board",
         action="store_true",
         help="reasoning records: board.md, per task and model the budget in tokens as rows and a column per policy, "
-        "for agreement, the kept trace, accuracy, the generated length, the loop share and the evicting share",
+        "for agreement, the kept trace, accuracy, the generated length, each class's share and the evicting share",
     )
     parser.add_argument(
         "--leaderboard",

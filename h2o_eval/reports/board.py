@@ -1,7 +1,8 @@
 """The reasoning board in the layout of the field's papers (R-KV, TriAttention): per task and model, the budget in
 tokens as rows and a column per policy, the full cache's first (and a threshold's, whose budget is no setting, the
 same in every row), for each measure of the board: agreement with the full cache (with its count of problems), the
-trace kept whole, accuracy, the generated length, the share of solutions that loop and the share that evicted. A cell
+trace kept whole, accuracy, the generated length, the share of solutions in each class (answered, unanswered text,
+blank, a loop, cut at the limit) and the share that evicted. A cell
 whose cache evicted nothing in any problem says so instead of a score. Written as ``board.md`` by ``python -m
 h2o_eval.plot DIR --board``."""
 
@@ -17,7 +18,11 @@ MEASURES = {  # metric: (its title, digits, whether a cell says its count of pro
     "same_trace": ("the full cache's trace kept whole (problems compared)", 2, True),
     "accuracy": ("accuracy", 2, False),
     "generated_tokens": ("generated tokens (mean)", 0, False),
+    "answered": ("solutions with a final answer", 2, False),
+    "unanswered": ("solutions of text without one", 2, False),
+    "blank": ("blank solutions", 2, False),
     "loop": ("solutions that loop to the limit", 2, False),
+    "cut": ("solutions cut at the limit", 2, False),
     "evicted": ("problems whose cache let a token go", 2, False),
 }
 
