@@ -12,8 +12,9 @@
 #   gemma     the same for Gemma 3 270M
 #   pack      the records packed into RECORDS/records.jsonl.gz (python -m h2o_eval.results pack), as committed
 #   tables    results/reasoning/board.md (the budget in tokens as rows, a column per policy: agreement, the kept trace,
-#             accuracy, the generated length, the loop share, the evicting share); results/reasoning/<metric>/: each
-#             score against the budget, with paired tests against the full cache; PROVENANCE.md from the records
+#             accuracy, the generated length, each class's share, the evicting share); results/reasoning/<metric>/:
+#             the scores with signal against the budget, with paired tests against the full cache (the others:
+#             plot --metric NAME); PROVENANCE.md from the records
 set -euo pipefail
 data=${1:-../shared/data}
 out=${2:-results/reasoning/records}
@@ -30,7 +31,7 @@ gemma() { board gemma3-270m; }
 pack() { python -m h2o_eval.results pack "$out"; }
 tables() {
     python -m h2o_eval.plot "$out" --board --out results/reasoning
-    for metric in agreement same_trace first_departure accuracy math_verify generated_tokens loop blank evicted; do
+    for metric in agreement same_trace first_departure generated_tokens loop; do
         python -m h2o_eval.plot "$out" --metric "$metric" --out "results/reasoning/$metric" --at 64 128 256
     done
     python -m h2o_eval.plot "$out" --out results/reasoning --provenance
