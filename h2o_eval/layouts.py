@@ -15,7 +15,7 @@ Each is a :class:`DecodeLayout`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -27,6 +27,7 @@ from h2o_eval.policies.base import DecodeVote
 AHEAD = 64  # decode positions whose position scores are made at once (Policy.position_scores)
 
 
+@runtime_checkable
 class DecodeLayout(Protocol):
     """The contract of a decode layout. ``slots``: the buffers it owns (its layer's state while it decodes);
     ``most``: an upper bound on the tokens any head holds.

@@ -20,8 +20,9 @@ from h2o_eval.errors import ConfigError
 from h2o_eval.generation import Batch, complete, greedy
 from h2o_eval.generation.answering import Cell, Document, Settings, answer
 from h2o_eval.generation.log import GenerationLog
-from h2o_eval.graphs import RecordedGraph
+from h2o_eval.graphs import Capturable, RecordedGraph
 from h2o_eval.layer import EvictionLayer
+from h2o_eval.layouts import Bounded, DecodeLayout, Dense
 from h2o_eval.policies import configured_policy, example_policy
 from h2o_eval.run import validate
 from h2o_eval.runners import runner_of
@@ -118,6 +119,33 @@ def test_decode_steps_of_a_bounded_cache_keep_their_buffers(tiny):
         if step:
             assert cache.buffers() == before
         before = cache.buffers()
+
+
+@pytest.mark.parametrize(("name", "decoding", "kind"), [("h2o", "evict", Bounded), ("full", "grow", Dense)])
+def test_a_decode_layout_owns_the_state_and_its_step_touches_nothing_of_the_layer(tiny, name, decoding, kind):
+    """After the prompt each layer's state is its layout's (a DecodeLayout), and the cache is what the graphs drive
+    (Capturable). A layout's host work and step, run by hand, leave every attribute of its layer as it was: the step
+    reads what it bound when it was made and writes its own slots only."""
+    model, _ = tiny
+    ids = torch.randint(5, 400, (1, 40), generator=torch.Generator().manual_seed(4))
+    cache = EvictionCache(model, example_policy(name, 0.25), protocol="prefill", decoding=decoding)
+    model(ids, cache=cache, use_cache=True)
+    assert isinstance(cache, Capturable)
+    config = model.config
+    kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, config.num_attention_heads, 1, dim, generator=generator)
+    key, value = (torch.randn(1, kv_heads, 1, dim, generator=generator) for _ in range(2))
+    for layer in cache.layers:
+        layout = layer.layout
+        assert isinstance(layout, kind) and isinstance(layout, DecodeLayout)
+        assert layer.slots is layout.slots and layer._slots is None
+        before = dict(vars(layer))
+        layout.prepare()
+        output = layout.step(query, key, value)
+        assert output.shape == query.shape and torch.isfinite(output).all()
+        assert vars(layer).keys() == before.keys()
+        assert all(vars(layer)[name] is value for name, value in before.items())
 
 
 @pytest.mark.parametrize(
