@@ -409,7 +409,7 @@ class EvictionCache(Cache):
             and self.shared.rehearsing is None
             and self.lengths is not None
             and len(self.lengths) == batch
-            and all(layer.capturable() and not layer.steps.keeps for layer in self.layers)
+            and all(layer.capturable() and not (layer.steps and layer.steps.keeps) for layer in self.layers)
         )
 
     def prepare_decode(self) -> None:
@@ -435,7 +435,7 @@ class EvictionCache(Cache):
     def host_state(self) -> list[tuple[object, dict]]:
         """The host's state of the cache (its sequences' and layers' counts), to restore after a capture that raised
         (:meth:`restore_host_state`)."""
-        parts = [self.shared, *self.layers, *(layer.steps for layer in self.layers)]
+        parts = [self.shared, *self.layers, *(layer.steps for layer in self.layers if layer.steps is not None)]
         parts += [layer.layout for layer in self.layers if layer.layout is not None]
         own = (dict, list)  # what a step may change in place on the host; tensors are the device's, left as they are
         return [

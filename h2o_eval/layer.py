@@ -72,7 +72,8 @@ class EvictionLayer(CacheLayerMixin):
         # How one token per sequence is decoded (Bounded, Dense or Ragged), chosen when the layer settles; None
         # while there is nothing to decode into (no plan, a deferred prompt, a sliding layer's own window).
         self.layout: DecodeLayout | None = None
-        self.steps = Steps(context.interval)  # decoding=interval: the forwards since the last compression
+        # decoding=interval: the forwards since the last compression (None under another decoding: no step asks)
+        self.steps = None if context.interval is None else Steps(context.interval)
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
 
@@ -120,7 +121,7 @@ class EvictionLayer(CacheLayerMixin):
                 "h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more tokens"
             )
         self.pending = (key_states, value_states)
-        if between(self):  # decoding=interval: a compression due before this forward
+        if self.steps is not None and between(self):  # decoding=interval: a compression due before this forward
             self.compress_held()
         return self.pending
 
@@ -168,7 +169,8 @@ class EvictionLayer(CacheLayerMixin):
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
         self.scaling = scaling
-        self.steps.saw(self, module, hidden_states, scaling)
+        if self.steps is not None:
+            self.steps.saw(self, module, hidden_states, scaling)
         if self.seen == self.shared.columns:  # the first layer this forward reaches
             self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
         check_window(self.context.window, self.shared.longest)
@@ -177,7 +179,7 @@ class EvictionLayer(CacheLayerMixin):
             result = self.layout.step(query, key, value)
             self.advance()
             return result
-        if self.seen:
+        if self.seen and self.steps is not None:
             self.steps.fed(arriving.shape[1])
         self.seen += arriving.shape[1]
         if step == "window":
@@ -197,7 +199,8 @@ class EvictionLayer(CacheLayerMixin):
         """The host's counts after a decode step, eager or replayed (:mod:`h2o_eval.graphs`): where they move."""
         self.seen += 1
         self.layout.advance()
-        self.steps.fed(1)
+        if self.steps is not None:
+            self.steps.fed(1)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps on the device: what a captured decode step may read (h2o_eval.graphs)."""
@@ -220,7 +223,7 @@ class EvictionLayer(CacheLayerMixin):
         """Before a decode step, on the host: the buffers wide enough for one more token (a new bucket for a layer
         that grows), the position scores ahead made anew when used up; first, under ``decoding=interval``, the
         compression its counts say is due."""
-        if between(self):
+        if self.steps is not None and between(self):
             self.compress_held()
         if self.layout is not None:
             self.layout.prepare()
@@ -482,7 +485,7 @@ class EvictionLayer(CacheLayerMixin):
         layer = self._sibling(context, shared)
         if self.slots is not None:
             layer.slots = self._compacted().rows(rows)
-        layer.steps = self.steps.rows_of(rows) if context.interval is not None else layer.steps
+        layer.steps = self.steps.rows_of(rows) if layer.steps is not None and self.steps is not None else layer.steps
         index = None if self.slots is None else torch.tensor(rows, device=self.slots.held.device)
         layer.kept = None if self.kept is None else self.kept[index]
         layer.rehearsed = None if self.rehearsed is None else self.rehearsed[index]

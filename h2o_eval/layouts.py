@@ -82,16 +82,21 @@ class Bounded:
     """The decode layout of a layer that evicts: each token claims a free slot or its victim's, in place
     (:func:`~h2o_eval.decode.claim`), in buffers laid out by :func:`~h2o_eval.decode.bounded` from ``slots``; its
     attention and, for a rule that scores while decoding, the scores come from the decode-attention kernel, else from
-    torch's fused attention. ``most``: an upper bound on the tokens any head holds; ``largest``: the largest capacity;
-    ``sinks``: whether any head has sinks; ``worst`` [B, Hkv, 1]: the highest lowest-candidate score of any claim,
-    where a full head may have no candidate; ``ahead``: the policy's position scores of the next :data:`AHEAD`
-    positions from ``ahead_base`` [B, 1, 1], made between steps."""
+    torch's fused attention (``attention``: the kernel bound to the rule, or None). ``keyed``: whether the policy scores
+    each arriving key (else its scores start at 0, or at its position's score). ``most``: an upper bound on the tokens
+    any head holds; ``largest``: the largest capacity; ``sinks``: whether any head has sinks; ``worst`` [B, Hkv, 1]: the
+    highest lowest-candidate score of any claim, where a full head may have no candidate; ``ahead``: the policy's
+    position scores of the next :data:`AHEAD` positions from ``ahead_base`` [B, 1, 1], made between steps."""
 
     def __init__(self, slots: Slots, bound: Binding, most: int) -> None:
         plan, capacity = bound.plan, bound.plan.capacity
         self.bound, self.most, self.largest = bound, most, int(capacity.max())
         self.sinks = bool((plan.sinks > 0).any())
-        self.scored = bound.context.rule.decode_votes != DecodeVote.NONE
+        rule = bound.context.rule
+        self.attention = None
+        if rule.decode_votes != DecodeVote.NONE:  # a rule that scores while decoding: the decode-attention kernel
+            self.attention = bound.context.implementation.decode_attention(rule)
+        self.keyed = bound.context.policy.keyed
         protected = (plan.recent + plan.sinks).view(-1, 1)
         self.worst = None
         if bool(((capacity < protected) & (capacity < UNBOUNDED)).any()):  # a full head may have no candidate
@@ -113,9 +118,10 @@ class Bounded:
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         bound, slots = self.bound, self.slots
         context, now, plan = bound.context, bound.shared.last, bound.plan
+        start = None
         if self.ahead is not None:  # position scores made ahead (prepare)
             start = self.ahead.gather(-1, (now - self.ahead_base).expand(-1, key.shape[1], 1))
-        else:
+        elif self.keyed:
             start = context.policy.key_scores(key, now.expand(-1, key.shape[1], 1), bound.layer)
         lowest = claim(
             slots, key, value, now, bound.shared.limit(plan.recent),
@@ -123,11 +129,8 @@ class Bounded:
         )  # fmt: skip
         if self.worst is not None:
             torch.maximum(self.worst, lowest, out=self.worst)
-        if self.scored:
-            attention = context.implementation.decode_attention
-            output = attention(
-                query[:, :, 0], slots.keys, slots.values, slots.held, slots.scores, bound.scaling, context.rule
-            )
+        if self.attention is not None:
+            output = self.attention(query[:, :, 0], slots.keys, slots.values, slots.held, slots.scores, bound.scaling)
             return output.unsqueeze(2)
         return attend(query, slots, bound.scaling)
 
