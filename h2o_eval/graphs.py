@@ -21,7 +21,9 @@ What is not captured, and runs eagerly:
   concatenation, a new tensor each step;
 - a model with a dynamic rotary embedding, which reads the positions on the host
   (:func:`~h2o_eval.attention.host_bound_rotary`);
-- a stacked decode (several caches' views as one batch) and a shared prompt pass;
+- a shared prompt pass, and a stack's first forward (its question), which lays its rows out
+  (:class:`~h2o_eval.groups.StackedDecode`); a stack's decode steps are captured, and the stack its leaving rows
+  leave behind captures anew;
 - a step that asks for attentions or hidden states, or brings ``inputs_embeds``.
 
 A replayed step skips what an eager step checks on the host side of the device: it never refuses a padding token
@@ -41,6 +43,7 @@ refused, as a CUDA graph would read it freed. The tests prove on a CPU that repl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import warnings
@@ -79,6 +82,22 @@ class Capturable(Protocol):
     def host_state(self) -> list[tuple[object, dict]]: ...
 
     def restore_host_state(self, state: list[tuple[object, dict]]) -> None: ...
+
+
+def host_state(parts: list[object]) -> list[tuple[object, dict]]:
+    """The host's state of a cache, as the attributes of ``parts`` (its sequences', layers' and layouts' counts), to
+    put back after a capture that raised (:func:`restore_host_state`). Lists and dicts are copied, as a step may change
+    them in place; tensors are the device's and left as they are."""
+    own = (dict, list)
+    return [
+        (part, {name: copy.copy(v) if isinstance(v, own) else v for name, v in vars(part).items()}) for part in parts
+    ]
+
+
+def restore_host_state(state: list[tuple[object, dict]]) -> None:
+    for part, saved in state:
+        vars(part).clear()
+        vars(part).update(saved)
 
 
 class CudaGraph:

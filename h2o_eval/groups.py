@@ -16,6 +16,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from h2o_eval.attention import key_validity, plain_attention
 from h2o_eval.decode import FREE, Slots, attend, bucket, widened
 from h2o_eval.errors import ConfigError
+from h2o_eval.graphs import host_state, restore_host_state
+from h2o_eval.kernels.reference import CONSTANTS
 from h2o_eval.layer import EvictionLayer
 
 
@@ -83,7 +85,6 @@ class Group:
             output[self.rows[0] : self.rows[-1] + 1] = attended
         else:
             output.index_copy_(0, self.rows_index, attended.index_select(0, physical))
-        self.most += n
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This group's rows of a tensor of the stack's rows."""
@@ -93,6 +94,10 @@ class Group:
         """Before a step of ``n`` tokens, on the host: buffers wide enough for them in every row (a new bucket)."""
         if self.most + n > self.slots.width:
             self.slots = widened(self.slots, bucket(self.most + n))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a step reads and writes on the device."""
+        return [*self.slots.tensors(), self.count, self.rows_index, self.physical_index]
 
     def going_on(self, kept: dict[int, int]) -> Group | None:
         """This group for the stack's rows that go on (``kept``: old row -> new row), or None where none of its rows
@@ -169,12 +174,26 @@ class StackedDecode:
             groups.append(Group(Slots(*buffers), count, max(m[2] for m in members), rows, list(range(len(rows)))))
         return cls(groups)
 
+    def prepare(self, n: int) -> None:
+        """Before a forward of ``n`` tokens, on the host: every group's buffers wide enough for them."""
+        for group in self.groups:
+            group.prepare(n)
+
     def step(self, query, key, value, positions, scaling) -> torch.Tensor:
+        """Device work only (capturable as a CUDA graph, once :meth:`prepare` has run): the chunk's tokens
+        appended and attended, group by group."""
         output = torch.empty_like(query)
         for group in self.groups:
-            group.prepare(key.shape[2])
             group.step(query, key, value, positions, scaling, output)
         return output
+
+    def advance(self, n: int) -> None:
+        """The host's counts after a forward of ``n`` tokens, eager or replayed."""
+        for group in self.groups:
+            group.most += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [tensor for group in self.groups for tensor in group.tensors()]
 
     def rows(self, keep: list[int]) -> StackedDecode:
         """This layer's steps for the stack's rows ``keep`` (increasing), in that order."""
@@ -237,7 +256,16 @@ class StackedLayer(LayersOfCaches):
             positions.append(layer.shared.last.view(-1, 1) - torch.arange(n - 1, -1, -1, device=key.device))
         if self.decode is None:
             self.decode = StackedDecode.of(self.layers)
-        return self.decode.step(query, key, value, torch.cat(positions), scaling)
+        self.decode.prepare(n)
+        output = self.decode.step(query, key, value, torch.cat(positions), scaling)
+        self.decode.advance(n)
+        return output
+
+    def advance(self) -> None:
+        """The host's counts after a replayed decode step, as :meth:`_attend_stacked` moves them."""
+        for layer in self.layers:
+            layer.seen += 1
+        self.decode.advance(1)
 
     def check_attended(self) -> None:
         if self.pending is not None:
@@ -266,6 +294,8 @@ class StackedCache(Cache):
         )
         self.views = views
         self.lengths = [length for view in views for length in view.lengths]
+        graphs = views[0].graphs  # the views' own graphs (their copies' alike): the stack captures steps of its own
+        self.graphs = None if graphs is None else graphs.fresh()
 
     def eviction_layer(self, layer: int) -> StackedLayer:
         return self.layers[layer]
@@ -289,6 +319,42 @@ class StackedCache(Cache):
     def check_faults(self) -> None:
         for view in self.views:
             view.check_faults()
+
+    # -- decode steps as CUDA graphs (h2o_eval.graphs): the stack's StackedDecode is their state ---------------------
+
+    def capturable(self, batch: int) -> bool:
+        """Whether the next one-token forward of ``batch`` sequences can be captured: every layer decodes through
+        its StackedDecode (laid out by the stack's first forward; none where a layer slides)."""
+        return batch == len(self.lengths) and all(layer.decode is not None for layer in self.layers)
+
+    def prepare_decode(self) -> None:
+        for layer in self.layers:
+            layer.decode.prepare(1)
+
+    def buffers(self) -> tuple:
+        """What a captured step reads and writes, by address: a step captured for other buffers does not fit."""
+        tensors = [*(t for view in self.views for t in (view.shared.last, view.shared.real)), *self._decoded()]
+        return tuple(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step may read without owning it (:class:`~h2o_eval.graphs.RecordedGraph`)."""
+        return [*(t for view in self.views for t in view.shared.tensors()), *self._decoded(), *CONSTANTS.values()]
+
+    def _decoded(self) -> list[torch.Tensor]:
+        return [tensor for layer in self.layers for tensor in layer.decode.tensors()]
+
+    def host_state(self) -> list[tuple[object, dict]]:
+        groups = [group for layer in self.layers for group in layer.decode.groups]
+        views = [part for view in self.views for part in (view.shared, *view.layers)]
+        return host_state([*views, *groups])
+
+    restore_host_state = staticmethod(restore_host_state)
+
+    def advance(self) -> None:
+        for view in self.views:
+            view.shared.advance()
+        for layer in self.layers:
+            layer.advance()
 
 
 class SharedPromptLayer(LayersOfCaches):

@@ -10,6 +10,7 @@ from conftest import make_config
 from h2o_eval import generation
 from h2o_eval.cache import EvictionCache
 from h2o_eval.errors import ConfigError
+from h2o_eval.graphs import RecordedGraph
 from h2o_eval.groups import SharedPrompt
 from h2o_eval.models import load_model
 from h2o_eval.policies import make_policy
@@ -86,6 +87,44 @@ def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate
     leaving = generation.passes.decode_leaving(model, stacked(), ids, torch.ones_like(ids), **settings)
     assert torch.equal(leaving, carried[:, : leaving.shape[1]]) and (carried[:, leaving.shape[1] :] == 0).all()
     assert len(calls) >= 2 and calls == sorted(calls, reverse=True) and calls[-1] < len(ids)
+
+
+@pytest.mark.parametrize("count", [1, 17, 61])
+def test_a_stack_replays_its_decode_steps_as_graphs_and_answers_as_eagerly_while_rows_leave(count, monkeypatch):
+    """Reference: ``count`` compressed caches (six policies, budgets from 0.1 to 0.95) stacked and decoded eagerly,
+    rows leaving as their answers end; implementation: the same under ``graphs="emulate"``, which replays a
+    captured step's aten operations with a CUDA graph's semantics. The same sequences, with steps replayed (the
+    stack re-captures as rows leave: a stack of fewer rows is a stack of its own)."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randint(5, model.config.vocab_size, (1, 48), generator=generator)
+    prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (1, 6), generator=generator)], 1)
+    names = ["full", "h2o", "snapkv", "streaming", "tova", "knorm"]
+    cells = [(names[i % len(names)], 0.1 + 0.85 * i / max(count - 1, 1)) for i in range(count)]
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    ids = prompt.repeat(count, 1)
+
+    def decoded(graphs):
+        caches = [
+            EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow", graphs=graphs)
+            for p, b in cells
+        ]
+        generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
+        stack = EvictionCache.stack(caches)
+        return generation.passes.decode_leaving(model, stack, ids, torch.ones_like(ids), **settings)
+
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)
+    free = decoded(False)[:, ids.shape[1] :]
+    ends = sorted({int(free[1, 3]), int(free[2, 9])}) if count > 1 else None  # rows 1 and 2 end apart
+    monkeypatch.setattr(model.generation_config, "eos_token_id", ends)
+    eager = decoded(False)
+    replays, replay = [], RecordedGraph.replay
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self, owned: replays.append(self) or replay(self, owned))
+    assert torch.equal(decoded("emulate"), eager)
+    assert len(replays) >= 4
+    if count > 1:
+        assert len({int((row != 0).sum()) for row in eager[:, ids.shape[1] :]}) > 1, "rows should leave apart"
+        assert len(set(replays)) >= 2, "the stack left by the rows that ended should replay captures of its own"
 
 
 def test_a_stack_going_on_with_some_rows_copies_only_the_caches_that_lose_rows():
