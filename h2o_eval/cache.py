@@ -36,7 +36,7 @@ from h2o_eval.attention import (
 )
 from h2o_eval.context import LayerContext, Sequences
 from h2o_eval.errors import ConfigError
-from h2o_eval.graphs import CudaGraph, DecodeGraphs, RecordedGraph
+from h2o_eval.graphs import CudaGraph, DecodeGraphs, RecordedGraph, host_state, restore_host_state
 from h2o_eval.graphs import install as install_graphs
 from h2o_eval.implementation import choose
 from h2o_eval.kernels.reference import CONSTANTS
@@ -409,7 +409,7 @@ class EvictionCache(Cache):
             and self.shared.rehearsing is None
             and self.lengths is not None
             and len(self.lengths) == batch
-            and all(layer.capturable() and not layer.steps.keeps for layer in self.layers)
+            and all(layer.capturable() and not (layer.steps and layer.steps.keeps) for layer in self.layers)
         )
 
     def prepare_decode(self) -> None:
@@ -435,19 +435,10 @@ class EvictionCache(Cache):
     def host_state(self) -> list[tuple[object, dict]]:
         """The host's state of the cache (its sequences' and layers' counts), to restore after a capture that raised
         (:meth:`restore_host_state`)."""
-        parts = [self.shared, *self.layers, *(layer.steps for layer in self.layers)]
-        parts += [layer.layout for layer in self.layers if layer.layout is not None]
-        own = (dict, list)  # what a step may change in place on the host; tensors are the device's, left as they are
-        return [
-            (part, {name: copy.copy(v) if isinstance(v, own) else v for name, v in vars(part).items()})
-            for part in parts
-        ]
+        parts = [self.shared, *self.layers, *(layer.steps for layer in self.layers if layer.steps is not None)]
+        return host_state([*parts, *(layer.layout for layer in self.layers if layer.layout is not None)])
 
-    @staticmethod
-    def restore_host_state(state: list[tuple[object, dict]]) -> None:
-        for part, saved in state:
-            vars(part).clear()
-            vars(part).update(saved)
+    restore_host_state = staticmethod(restore_host_state)
 
     def advance(self) -> None:
         """The host's counts after a replayed decode step, as the step's own code moves them."""

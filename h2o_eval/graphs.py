@@ -21,7 +21,9 @@ What is not captured, and runs eagerly:
   concatenation, a new tensor each step;
 - a model with a dynamic rotary embedding, which reads the positions on the host
   (:func:`~h2o_eval.attention.host_bound_rotary`);
-- a stacked decode (several caches' views as one batch) and a shared prompt pass;
+- a shared prompt pass, and a stack's first forward (its question), which lays its rows out
+  (:class:`~h2o_eval.groups.StackedDecode`); a stack's decode steps are captured, and the stack its leaving rows
+  leave behind captures anew;
 - a step that asks for attentions or hidden states, or brings ``inputs_embeds``.
 
 A replayed step skips what an eager step checks on the host side of the device: it never refuses a padding token
@@ -41,17 +43,61 @@ refused, as a CUDA graph would read it freed. The tests prove on a CPU that repl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # aten operations that read a value on the host: each one waits for the device, and none can be captured.
 HOST_READS = ("_local_scalar_dense", "is_nonzero", "equal", "nonzero", "masked_select", "unique")
+
+
+@runtime_checkable
+class Capturable(Protocol):
+    """What a cache offers the captured decode steps (:class:`~h2o_eval.cache.EvictionCache` is one):
+
+    - ``capturable(batch)``: whether its next one-token step of ``batch`` sequences can be captured;
+    - ``prepare_decode()``: the host's work before a step (its layouts' buffers wide enough, scores made ahead);
+    - ``buffers()``: what a step reads and writes, by address: a graph captured for others does not fit;
+    - ``tensors()``: every tensor a step may read without owning it;
+    - ``advance()``: its host counts after a replayed step, as an eager step moves them;
+    - ``host_state()``, ``restore_host_state(state)``: its host counts kept, and put back after a capture that
+      raised."""
+
+    def capturable(self, batch: int) -> bool: ...
+
+    def prepare_decode(self) -> None: ...
+
+    def buffers(self) -> tuple: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+    def advance(self) -> None: ...
+
+    def host_state(self) -> list[tuple[object, dict]]: ...
+
+    def restore_host_state(self, state: list[tuple[object, dict]]) -> None: ...
+
+
+def host_state(parts: list[object]) -> list[tuple[object, dict]]:
+    """The host's state of a cache, as the attributes of ``parts`` (its sequences', layers' and layouts' counts), to
+    put back after a capture that raised (:func:`restore_host_state`). Lists and dicts are copied, as a step may change
+    them in place; tensors are the device's and left as they are."""
+    own = (dict, list)
+    return [
+        (part, {name: copy.copy(v) if isinstance(v, own) else v for name, v in vars(part).items()}) for part in parts
+    ]
+
+
+def restore_host_state(state: list[tuple[object, dict]]) -> None:
+    for part, saved in state:
+        vars(part).clear()
+        vars(part).update(saved)
 
 
 class CudaGraph:
@@ -272,7 +318,9 @@ class DecodeGraphs:
         graphs.failed = self.failed
         return graphs
 
-    def step(self, cache: Any, model: torch.nn.Module, forward: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    def step(
+        self, cache: Capturable, model: torch.nn.Module, forward: Callable[..., Any], kwargs: dict[str, Any]
+    ) -> Any:
         """The forward ``kwargs`` ask for through ``cache``, replayed; None when it is no capturable decode step (it
         then runs as before)."""
         ids, position = kwargs.get("input_ids"), kwargs.get("position_ids")
@@ -307,7 +355,7 @@ class DecodeGraphs:
         self.replays += 1
         return dataclasses.replace(self.output, logits=self.output.logits.clone(), cache=cache)
 
-    def _capture(self, cache, forward, kwargs: dict[str, Any], ids, position, owned) -> Any:
+    def _capture(self, cache: Capturable, forward, kwargs: dict[str, Any], ids, position, owned) -> Any:
         """Capture one step's forward on static inputs (its host counts move on as the step's own); its output."""
         batch = ids.shape[0]
         # A 4-D mask is taken as it is: nothing is built from the step's lengths, which a replay would not update. A

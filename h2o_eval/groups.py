@@ -13,8 +13,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from h2o_eval.attention import plain_attention
+from h2o_eval.attention import key_validity, plain_attention
+from h2o_eval.decode import FREE, Slots, attend, bucket, widened
 from h2o_eval.errors import ConfigError
+from h2o_eval.graphs import host_state, restore_host_state
+from h2o_eval.kernels.reference import CONSTANTS
 from h2o_eval.layer import EvictionLayer
 
 
@@ -45,22 +48,191 @@ class LayersOfCaches(CacheLayerMixin):
         return -1
 
 
+class Group:
+    """Rows of a :class:`StackedDecode` that hold about as many tokens: ``slots`` their buffers (dense, each row's
+    held slots first), ``count`` [P, Hkv] each row's next slot per KV head, ``most`` (on the host) the most any of
+    them holds; ``rows`` the stack's rows (its batch order) it answers for, and ``physical`` theirs in its buffers.
+    Rows that left stay in the buffers, answering for no row of the stack."""
+
+    def __init__(self, slots: Slots, count: torch.Tensor, most: int, rows: list[int], physical: list[int]) -> None:
+        self.slots, self.count, self.most = slots, count, most
+        self.rows, self.physical = rows, physical
+        device = count.device
+        self.rows_index = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.physical_index = torch.tensor(physical, dtype=torch.int64, device=device)
+        self.whole = physical == list(range(count.shape[0])) and rows == list(range(rows[0], rows[0] + len(rows)))
+
+    def step(self, query, key, value, positions, scaling, output: torch.Tensor) -> None:
+        """Append the chunk's tokens (``key``, ``value`` [N, Hkv, n, D] at ``positions`` [N, n], the stack's rows) to
+        this group's rows, each token attending to what its row held and to the chunk's tokens up to itself, and
+        write their attention into ``output`` [N, Hq, n, D]."""
+        key, value, query, positions = (self._mine(tensor) for tensor in (key, value, query, positions))
+        slots, physical, n = self.slots, self.physical_index, key.shape[2]
+        start = self.count.index_select(0, physical)  # [b, Hkv]
+        at = start.unsqueeze(-1) + torch.arange(n, device=start.device)  # [b, Hkv, n]
+        rows = physical.view(-1, 1, 1).expand_as(at)
+        heads = torch.arange(at.shape[1], device=at.device).view(1, -1, 1).expand_as(at)
+        slots.keys.index_put_((rows, heads, at), key)
+        slots.values.index_put_((rows, heads, at), value)
+        slots.held.index_put_((rows, heads, at), torch.ones_like(at, dtype=torch.bool))
+        slots.position.index_put_((rows, heads, at), positions.unsqueeze(1).expand_as(at))
+        self.count.index_add_(0, physical, torch.full_like(start, n))
+        if not self.whole:  # the rows that left attend to nothing useful: their queries are zeros
+            query = query.new_zeros(self.count.shape[0], *query.shape[1:]).index_copy_(0, physical, query)
+            start = torch.zeros_like(self.count).index_copy_(0, physical, start)
+        attended = attend(query, slots, scaling) if n == 1 else attend_chunk_causally(query, slots, start, scaling)
+        if self.whole:
+            output[self.rows[0] : self.rows[-1] + 1] = attended
+        else:
+            output.index_copy_(0, self.rows_index, attended.index_select(0, physical))
+
+    def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This group's rows of a tensor of the stack's rows."""
+        return tensor[self.rows[0] : self.rows[-1] + 1] if self.whole else tensor.index_select(0, self.rows_index)
+
+    def prepare(self, n: int) -> None:
+        """Before a step of ``n`` tokens, on the host: buffers wide enough for them in every row (a new bucket)."""
+        if self.most + n > self.slots.width:
+            self.slots = widened(self.slots, bucket(self.most + n))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What a step reads and writes on the device."""
+        return [*self.slots.tensors(), self.count, self.rows_index, self.physical_index]
+
+    def going_on(self, kept: dict[int, int]) -> Group | None:
+        """This group for the stack's rows that go on (``kept``: old row -> new row), or None where none of its rows
+        does. Its buffers stay as they are until half their rows have left; then the rows that go on are copied into
+        buffers of their own."""
+        pairs = [(kept[row], spot) for row, spot in zip(self.rows, self.physical, strict=True) if row in kept]
+        if not pairs:
+            return None
+        rows, physical = [row for row, _ in pairs], [spot for _, spot in pairs]
+        if 2 * len(physical) > self.count.shape[0]:
+            return Group(self.slots, self.count, self.most, rows, physical)
+        index = torch.tensor(physical, device=self.count.device)
+        slots = self.slots.map(lambda tensor: tensor.index_select(0, index))
+        return Group(slots, self.count.index_select(0, index), self.most, rows, list(range(len(rows))))
+
+
+def attend_chunk_causally(query: torch.Tensor, slots: Slots, start: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A chunk's queries [B, Hq, n, D] over held slots whose last n (from ``start`` [B, Hkv] on) are the chunk's own
+    tokens: each attends to the slots before the chunk and to the chunk's tokens up to itself, through torch's fused
+    attention, each KV head's query heads as query rows of it (:func:`~h2o_eval.decode.attend`)."""
+    batch, q_heads, n, dim = query.shape
+    kv_heads = slots.keys.shape[1]
+    group = q_heads // kv_heads
+    columns = torch.arange(slots.width, device=start.device)
+    last = start.unsqueeze(-1) + torch.arange(n, device=start.device)  # [B, Hkv, n]: each query's own slot
+    mask = slots.held.unsqueeze(2) & (columns <= last.unsqueeze(-1))  # [B, Hkv, n, S]
+    grouped = query.reshape(batch, kv_heads, group * n, dim)
+    mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(batch, kv_heads, group * n, -1)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        grouped, slots.keys, slots.values, attn_mask=mask, scale=scaling
+    )
+    return output.reshape(batch, q_heads, n, dim)
+
+
+class StackedDecode:
+    """The steps of one layer of a stack whose views' layers (none sliding) are settled in a decode layout: their
+    rows laid out once, at the stack's first forward, in buffers of its own (the views are left as they were), and
+    grouped by how many tokens they hold (rows whose counts round to one bucket), so that each forward (the
+    question's chunk, then a token per step) appends and attends in one call per group, not one per view. Rows
+    that leave stay in their group's buffers until half its rows have left (:meth:`Group.going_on`)."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        self.groups = groups
+
+    @classmethod
+    def of(cls, layers: list[EvictionLayer]) -> StackedDecode:
+        """The views' layers' slots as they are after their last chunk, each copied once into its group's buffers
+        (read on the host: the stack's first forward is no decode step)."""
+        laid: dict[int, list] = {}
+        start = 0
+        for layer in layers:
+            slots = layer.layout.compacted()
+            count = slots.held.sum(-1)
+            most = int(count.max()) if count.numel() else 0
+            if not bool(slots.held[..., :most].all()):  # a head that holds fewer: its held slots first
+                slots = slots.held_first(most)
+            member = (slots, count, most, list(range(start, start + len(count))))
+            laid.setdefault(bucket(most + 1), []).append(member)
+            start += len(count)
+        groups = []
+        for width, members in sorted(laid.items()):
+            rows = [row for member in members for row in member[3]]
+            first = members[0][0]
+            buffers = [
+                tensor.new_full((len(rows), *tensor.shape[1:2], width, *tensor.shape[3:]), fill)
+                for tensor, fill in zip(first.dense().tensors(), (0, 0, False, FREE, -torch.inf), strict=True)
+            ]
+            at = 0
+            for slots, _, _, own in members:
+                for buffer, tensor in zip(buffers, slots.dense().tensors(), strict=True):
+                    buffer[at : at + len(own), :, : tensor.shape[2]] = tensor[:, :, :width]
+                at += len(own)
+            count = torch.cat([member[1] for member in members])
+            groups.append(Group(Slots(*buffers), count, max(m[2] for m in members), rows, list(range(len(rows)))))
+        return cls(groups)
+
+    def prepare(self, n: int) -> None:
+        """Before a forward of ``n`` tokens, on the host: every group's buffers wide enough for them."""
+        for group in self.groups:
+            group.prepare(n)
+
+    def step(self, query, key, value, positions, scaling) -> torch.Tensor:
+        """Device work only (capturable as a CUDA graph, once :meth:`prepare` has run): the chunk's tokens
+        appended and attended, group by group."""
+        output = torch.empty_like(query)
+        for group in self.groups:
+            group.step(query, key, value, positions, scaling, output)
+        return output
+
+    def advance(self, n: int) -> None:
+        """The host's counts after a forward of ``n`` tokens, eager or replayed."""
+        for group in self.groups:
+            group.most += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [tensor for group in self.groups for tensor in group.tensors()]
+
+    def rows(self, keep: list[int]) -> StackedDecode:
+        """This layer's steps for the stack's rows ``keep`` (increasing), in that order."""
+        kept = {row: new for new, row in enumerate(keep)}
+        return StackedDecode([group for group in (g.going_on(kept) for g in self.groups) if group is not None])
+
+
 class StackedLayer(LayersOfCaches):
     """One layer of a :class:`StackedCache`: each cache's rows of a chunk go to that cache's layer, which takes
-    them and attends as it would alone; the outputs are the rows in order."""
+    them and attends as it would alone; the outputs are the rows in order. Decode steps of layers that do not slide
+    go through one :class:`StackedDecode` for all the views instead."""
 
-    def __init__(self, layers: list[EvictionLayer], rows: list[int]) -> None:
+    def __init__(self, layers: list[EvictionLayer], rows: list[int], decode: StackedDecode | None = None) -> None:
         super().__init__(layers)
         self.is_initialized = True
         ends = list(itertools.accumulate(rows))
         self.rows = [slice(end - count, end) for end, count in zip(ends, rows, strict=True)]
+        self.decode = decode
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _stacked(self) -> bool:
+        """Whether the stack's forwards go through one :class:`StackedDecode` here: every view's layer does not slide
+        and is settled in a decode layout (it has taken its prompt and compressed it)."""
+        return self.decode is not None or all(
+            layer.window is None and layer.layout is not None and layer.seen > 0 and layer.shared.rehearsing is None
+            for layer in self.layers
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self._stacked():
+            self.pending = (key_states, value_states)
+            return key_states, value_states
         for layer, rows in zip(self.layers, self.rows, strict=True):
             layer.update(key_states[rows], value_states[rows])
         return key_states, value_states
 
     def attend(self, module, query, key, value, attention_mask, scaling, hidden_states=None) -> torch.Tensor:
+        if self.pending is not None:
+            return self._attend_stacked(query, key, value, attention_mask, scaling)
         outputs = []
         for layer, rows in zip(self.layers, self.rows, strict=True):
             keys, values = layer.pending
@@ -68,6 +240,37 @@ class StackedLayer(LayersOfCaches):
             own = None if hidden_states is None else hidden_states[rows]
             outputs.append(layer.attend(module, query[rows], keys, values, mask, scaling, hidden_states=own))
         return torch.cat(outputs)
+
+    def _attend_stacked(self, query, key, value, attention_mask, scaling) -> torch.Tensor:
+        """A forward of every view's layer at once: the views' host counts move as theirs would (a layer's first of
+        a forward moves its sequences' positions), the step itself is the stack's. The chunk's tokens are real: a
+        stack is fed its question and then a token per step, with no padding."""
+        self.pending = None
+        n = key.shape[2]
+        arriving = key_validity(attention_mask, key.shape[0], n, key.device)
+        positions = []
+        for layer, rows in zip(self.layers, self.rows, strict=True):
+            if layer.seen == layer.shared.columns:
+                layer.shared.begin(arriving[rows], decode=n == 1)
+            layer.seen += n
+            positions.append(layer.shared.last.view(-1, 1) - torch.arange(n - 1, -1, -1, device=key.device))
+        if self.decode is None:
+            self.decode = StackedDecode.of(self.layers)
+        self.decode.prepare(n)
+        output = self.decode.step(query, key, value, torch.cat(positions), scaling)
+        self.decode.advance(n)
+        return output
+
+    def advance(self) -> None:
+        """The host's counts after a replayed decode step, as :meth:`_attend_stacked` moves them."""
+        for layer in self.layers:
+            layer.seen += 1
+        self.decode.advance(1)
+
+    def check_attended(self) -> None:
+        if self.pending is not None:
+            raise RuntimeError("a stacked layer's keys never reached the h2o_eval attention backend")
+        super().check_attended()
 
 
 class StackedCache(Cache):
@@ -79,15 +282,20 @@ class StackedCache(Cache):
 
     deferred = False
 
-    def __init__(self, views: list[Any]) -> None:
+    def __init__(self, views: list[Any], decodes: list[StackedDecode | None] | None = None) -> None:
         if len({tuple(layer.seen for layer in view.layers) for view in views}) != 1:
             raise ValueError("the caches have seen different tokens: only caches fed the same tokens are stacked")
         rows = [len(view.lengths) for view in views]
+        decodes = decodes or [None] * len(views[0].layers)
         super().__init__(
-            layers=[StackedLayer([view.layers[i] for view in views], rows) for i in range(len(views[0].layers))]
+            layers=[
+                StackedLayer([view.layers[i] for view in views], rows, decodes[i]) for i in range(len(views[0].layers))
+            ]
         )
         self.views = views
         self.lengths = [length for view in views for length in view.lengths]
+        graphs = views[0].graphs  # the views' own graphs (their copies' alike): the stack captures steps of its own
+        self.graphs = None if graphs is None else graphs.fresh()
 
     def eviction_layer(self, layer: int) -> StackedLayer:
         return self.layers[layer]
@@ -102,7 +310,7 @@ class StackedCache(Cache):
             if own := [row - start for row in keep if start <= row < start + count]:
                 views.append(view if len(own) == count else view.fork(own))
             start += count
-        return StackedCache(views)
+        return StackedCache(views, [None if layer.decode is None else layer.decode.rows(keep) for layer in self.layers])
 
     def check_attended(self) -> None:
         for layer in self.layers:
@@ -111,6 +319,42 @@ class StackedCache(Cache):
     def check_faults(self) -> None:
         for view in self.views:
             view.check_faults()
+
+    # -- decode steps as CUDA graphs (h2o_eval.graphs): the stack's StackedDecode is their state ---------------------
+
+    def capturable(self, batch: int) -> bool:
+        """Whether the next one-token forward of ``batch`` sequences can be captured: every layer decodes through
+        its StackedDecode (laid out by the stack's first forward; none where a layer slides)."""
+        return batch == len(self.lengths) and all(layer.decode is not None for layer in self.layers)
+
+    def prepare_decode(self) -> None:
+        for layer in self.layers:
+            layer.decode.prepare(1)
+
+    def buffers(self) -> tuple:
+        """What a captured step reads and writes, by address: a step captured for other buffers does not fit."""
+        tensors = [*(t for view in self.views for t in (view.shared.last, view.shared.real)), *self._decoded()]
+        return tuple(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step may read without owning it (:class:`~h2o_eval.graphs.RecordedGraph`)."""
+        return [*(t for view in self.views for t in view.shared.tensors()), *self._decoded(), *CONSTANTS.values()]
+
+    def _decoded(self) -> list[torch.Tensor]:
+        return [tensor for layer in self.layers for tensor in layer.decode.tensors()]
+
+    def host_state(self) -> list[tuple[object, dict]]:
+        groups = [group for layer in self.layers for group in layer.decode.groups]
+        views = [part for view in self.views for part in (view.shared, *view.layers)]
+        return host_state([*views, *groups])
+
+    restore_host_state = staticmethod(restore_host_state)
+
+    def advance(self) -> None:
+        for view in self.views:
+            view.shared.advance()
+        for layer in self.layers:
+            layer.advance()
 
 
 class SharedPromptLayer(LayersOfCaches):

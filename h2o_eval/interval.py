@@ -28,11 +28,11 @@ from h2o_eval.policies.inputs import Prompt, query_projection
 
 
 class Steps:
-    """One layer's host counts between two compressions under ``decoding=interval`` (none under another decoding,
-    ``interval`` None): the forwards fed (``steps``) and the last one's tokens per sequence (``chunk``); for a decoding
-    policy whose votes read the newest ``keep`` rows (0: none), or whose scores of what is held read the attention
-    inputs of the last ``forwards`` forwards (kvpress's buffer of hidden states), that attention input (``rows``,
-    [B, m, hidden] each), attention module and logit scale."""
+    """One layer's host counts between two compressions under ``decoding=interval`` (a layer has none under another
+    decoding; ``interval`` None counts nothing): the forwards fed (``steps``) and the last one's tokens per sequence
+    (``chunk``); for a decoding policy whose votes read the newest ``keep`` rows (0: none), or whose scores of what is
+    held read the attention inputs of the last ``forwards`` forwards (kvpress's buffer of hidden states), that attention
+    input (``rows``, [B, m, hidden] each), attention module and logit scale."""
 
     def __init__(self, interval: Interval | None) -> None:
         self.interval = interval

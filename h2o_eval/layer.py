@@ -38,10 +38,10 @@ from transformers.cache_utils import CacheLayerMixin
 from h2o_eval.attention import check_kv_heads, check_window, key_validity, plain_attention
 from h2o_eval.compression import compress
 from h2o_eval.context import LayerContext, Plan, Sequences, arriving_scores, first_plan, plan_tensors, starting_scores
-from h2o_eval.decode import Slots, bucket, drop
+from h2o_eval.decode import Slots, bucket
 from h2o_eval.eviction import Chunk
 from h2o_eval.interval import Steps, between, compression
-from h2o_eval.layouts import Bounded, Dense, Ragged
+from h2o_eval.layouts import Binding, Bounded, DecodeLayout, Dense, Ragged
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.inputs import Prompt, Rehearsal
 from h2o_eval.rerotation import rerotated
@@ -60,7 +60,8 @@ class EvictionLayer(CacheLayerMixin):
     def __init__(self, context: LayerContext, shared: Sequences, layer_idx: int, window: int | None = None) -> None:
         self.is_initialized = False  # CacheLayerMixin's own __init__ would assign keys and values, which are slots'
         self.context, self.shared, self.layer_idx, self.window = context, shared, layer_idx, window
-        self.slots: Slots | None = None
+        self._slots: Slots | None = None  # the state while no layout owns it
+        self.scaling = 1.0  # the attention's logit scale, as its module gave it
         self.seen = 0  # columns fed, padding included
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values ``update`` took
         self.plan: Plan | None = None
@@ -70,14 +71,25 @@ class EvictionLayer(CacheLayerMixin):
         self.peak = 0  # the most tokens any head held when last settled
         # How one token per sequence is decoded (Bounded, Dense or Ragged), chosen when the layer settles; None
         # while there is nothing to decode into (no plan, a deferred prompt, a sliding layer's own window).
-        self.layout: Bounded | Dense | Ragged | None = None
-        self.steps = Steps(context.interval)  # decoding=interval: the forwards since the last compression
+        self.layout: DecodeLayout | None = None
+        # decoding=interval: the forwards since the last compression (None under another decoding: no step asks)
+        self.steps = None if context.interval is None else Steps(context.interval)
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.slots = Slots.empty(key_states, value_states)
         self.is_initialized = True
+
+    @property
+    def slots(self) -> Slots | None:
+        """The state: its decode layout's slots while one decodes, else the layer's own."""
+        return self._slots if self.layout is None else self.layout.slots
+
+    @slots.setter
+    def slots(self, slots: Slots | None) -> None:
+        """A new state, the layer's own until :meth:`settle` lays it out anew."""
+        self.layout, self._slots = None, slots
 
     @property
     def keys(self) -> torch.Tensor:
@@ -109,7 +121,7 @@ class EvictionLayer(CacheLayerMixin):
                 "h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more tokens"
             )
         self.pending = (key_states, value_states)
-        if between(self):  # decoding=interval: a compression due before this forward
+        if self.steps is not None and between(self):  # decoding=interval: a compression due before this forward
             self.compress_held()
         return self.pending
 
@@ -156,16 +168,18 @@ class EvictionLayer(CacheLayerMixin):
         arriving = key_validity(attention_mask, key.shape[0], query.shape[2], key.device)
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
-        self.steps.saw(self, module, hidden_states, scaling)
+        self.scaling = scaling
+        if self.steps is not None:
+            self.steps.saw(self, module, hidden_states, scaling)
         if self.seen == self.shared.columns:  # the first layer this forward reaches
             self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
         check_window(self.context.window, self.shared.longest)
         if step == "decode":
             self.prepare_decode()
-            result = self.layout.step(self, query, key, value, scaling)
+            result = self.layout.step(query, key, value)
             self.advance()
             return result
-        if self.seen:
+        if self.seen and self.steps is not None:
             self.steps.fed(arriving.shape[1])
         self.seen += arriving.shape[1]
         if step == "window":
@@ -179,15 +193,14 @@ class EvictionLayer(CacheLayerMixin):
 
     def dropped(self, output=None):
         """End a forward (returns ``output``): a rule that drops frees what left the window below its threshold."""
-        if self.context.rule.drops:
-            drop(self.slots, self.shared.limit(self.plan.recent), self.context.rule.threshold)
-        return output
+        return self._binding().dropped(self.slots, output)
 
     def advance(self) -> None:
         """The host's counts after a decode step, eager or replayed (:mod:`h2o_eval.graphs`): where they move."""
         self.seen += 1
         self.layout.advance()
-        self.steps.fed(1)
+        if self.steps is not None:
+            self.steps.fed(1)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps on the device: what a captured decode step may read (h2o_eval.graphs)."""
@@ -210,10 +223,10 @@ class EvictionLayer(CacheLayerMixin):
         """Before a decode step, on the host: the buffers wide enough for one more token (a new bucket for a layer
         that grows), the position scores ahead made anew when used up; first, under ``decoding=interval``, the
         compression its counts say is due."""
-        if between(self):
+        if self.steps is not None and between(self):
             self.compress_held()
         if self.layout is not None:
-            self.layout.prepare(self)
+            self.layout.prepare()
 
     def _attend_chunk(
         self, module, query, key, value, attention_mask, scaling, arriving, output, hidden_states, votes, shared
@@ -293,7 +306,7 @@ class EvictionLayer(CacheLayerMixin):
     def _compacted(self) -> Slots:
         """The state a chunk starts from: the slots filled so far (not a growing layer's spare room), in the dense
         layout."""
-        return self.slots if self.layout is None else self.layout.compacted(self.slots)
+        return self.slots if self.layout is None else self.layout.compacted()
 
     def _keep(self, slots: Slots, entered: torch.Tensor) -> None:
         """The state after a chunk: its slots as they are if nothing left, else only the held slots (per head,
@@ -402,20 +415,27 @@ class EvictionLayer(CacheLayerMixin):
     def settle(self) -> None:
         """After a chunk or a compression (where reading the device is allowed): the peak so far, and the layout the
         next decode steps go by (:mod:`h2o_eval.layouts`), with its host counts."""
-        held = self.slots.held.sum(-1)
+        slots = self.slots
+        held = slots.held.sum(-1)
         most = int(held.max()) if held.numel() else 0
         self.peak = max(self.peak, most)
-        self.layout = None
+        self.slots = slots
         if self.window is not None or self.plan is None or self.shared.deferred:
             return
+        bound = self._binding()
         if not self.plan.unbounded:
             self.moved = True
-            self.layout = Bounded(self, most)
+            layout = Bounded(slots, bound, most)
         elif held.numel() and (self.context.rule.drops or bool((held.amax(-1) > held.amin(-1)).any())):
             room = bucket(most + 1) - most if self.context.rule.drops else 0  # its regrowths read the device
-            self.layout = Ragged(self, held.tolist(), room)  # heads as they are
+            layout = Ragged(slots, bound, held.tolist(), room)  # heads as they are
         else:
-            self.layout = Dense(self, most)
+            layout = Dense(slots, bound, most)
+        self._slots, self.layout = None, layout  # the layout owns the state now
+
+    def _binding(self) -> Binding:
+        """What a layout made now binds of this layer."""
+        return Binding(self.context, self.shared, self.plan, self.layer_idx, self.scaling)
 
     def faults(self) -> list[str]:
         """What decode steps noted on the device (reading it waits for the device): a full head whose every held
@@ -448,11 +468,12 @@ class EvictionLayer(CacheLayerMixin):
         """A new layer of this one's index and window under ``context`` and ``shared``, with its counts of what was
         fed (its state is the caller's to give)."""
         layer = EvictionLayer(context, shared, self.layer_idx, self.window)
-        layer.seen, layer.moved, layer.is_initialized, layer.peak = (
+        layer.seen, layer.moved, layer.is_initialized, layer.peak, layer.scaling = (
             self.seen,
             self.moved,
             self.is_initialized,
             self.peak,
+            self.scaling,
         )
         return layer
 
@@ -464,7 +485,7 @@ class EvictionLayer(CacheLayerMixin):
         layer = self._sibling(context, shared)
         if self.slots is not None:
             layer.slots = self._compacted().rows(rows)
-        layer.steps = self.steps.rows_of(rows) if context.interval is not None else layer.steps
+        layer.steps = self.steps.rows_of(rows) if layer.steps is not None and self.steps is not None else layer.steps
         index = None if self.slots is None else torch.tensor(rows, device=self.slots.held.device)
         layer.kept = None if self.kept is None else self.kept[index]
         layer.rehearsed = None if self.rehearsed is None else self.rehearsed[index]
@@ -489,7 +510,8 @@ class EvictionLayer(CacheLayerMixin):
         if self.plan is not None:  # a chunk through the view sets its own
             layer.plan = dataclasses.replace(self.plan, unbounded=True)
             if self.window is None:
-                layer.layout = Dense(layer, 0 if self.layout is None else self.layout.most)
+                most = 0 if self.layout is None else self.layout.most
+                layer.layout, layer._slots = Dense(layer.slots, layer._binding(), most), None
         return layer
 
     def realised(self, lengths: torch.Tensor) -> torch.Tensor:

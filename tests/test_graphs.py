@@ -20,8 +20,9 @@ from h2o_eval.errors import ConfigError
 from h2o_eval.generation import Batch, complete, greedy
 from h2o_eval.generation.answering import Cell, Document, Settings, answer
 from h2o_eval.generation.log import GenerationLog
-from h2o_eval.graphs import RecordedGraph
+from h2o_eval.graphs import Capturable, RecordedGraph
 from h2o_eval.layer import EvictionLayer
+from h2o_eval.layouts import Bounded, DecodeLayout, Dense
 from h2o_eval.policies import configured_policy, example_policy
 from h2o_eval.run import validate
 from h2o_eval.runners import runner_of
@@ -120,6 +121,33 @@ def test_decode_steps_of_a_bounded_cache_keep_their_buffers(tiny):
         before = cache.buffers()
 
 
+@pytest.mark.parametrize(("name", "decoding", "kind"), [("h2o", "evict", Bounded), ("full", "grow", Dense)])
+def test_a_decode_layout_owns_the_state_and_its_step_touches_nothing_of_the_layer(tiny, name, decoding, kind):
+    """After the prompt each layer's state is its layout's (a DecodeLayout), and the cache is what the graphs drive
+    (Capturable). A layout's host work and step, run by hand, leave every attribute of its layer as it was: the step
+    reads what it bound when it was made and writes its own slots only."""
+    model, _ = tiny
+    ids = torch.randint(5, 400, (1, 40), generator=torch.Generator().manual_seed(4))
+    cache = EvictionCache(model, example_policy(name, 0.25), protocol="prefill", decoding=decoding)
+    model(ids, cache=cache, use_cache=True)
+    assert isinstance(cache, Capturable)
+    config = model.config
+    kv_heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(1, config.num_attention_heads, 1, dim, generator=generator)
+    key, value = (torch.randn(1, kv_heads, 1, dim, generator=generator) for _ in range(2))
+    for layer in cache.layers:
+        layout = layer.layout
+        assert isinstance(layout, kind) and isinstance(layout, DecodeLayout)
+        assert layer.slots is layout.slots and layer._slots is None
+        before = dict(vars(layer))
+        layout.prepare()
+        output = layout.step(query, key, value)
+        assert output.shape == query.shape and torch.isfinite(output).all()
+        assert vars(layer).keys() == before.keys()
+        assert all(vars(layer)[name] is value for name, value in before.items())
+
+
 @pytest.mark.parametrize(
     ("name", "decoding"),
     fast_sample(
@@ -130,12 +158,15 @@ def test_decode_steps_of_a_bounded_cache_keep_their_buffers(tiny):
 def test_an_eviction_cache_adds_at_most_sixteen_operations_per_layer_to_a_decode_step(name, decoding):
     """Reference: plain transformers' decode step (a DynamicCache, SDPA); implementation: the same step through an
     EvictionCache, 16 steps after a 96-token prompt. Counted as computing aten operations per layer and step, each a
-    kernel launch on a GPU (benchmarks.decode_ops)."""
+    kernel launch on a GPU (benchmarks.decode_ops). The step runs in at most 7 of the project's files: the hook,
+    the cache and its layer, the sequences, the layout, its slots' operations and the kernel (a layout binds its
+    kernel and scorer, and a layer under another decoding than interval has no interval counts to move)."""
     model, tokenizer = load_model("tiny-llama3", device="cpu")
     layers, steps = model.config.num_hidden_layers, 16
     plain = count(model, tokenizer, None, "evict", 96, steps, 0.25).total
-    added = (count(model, tokenizer, name, decoding, 96, steps, 0.25).total - plain) / layers / steps
-    assert added <= 16
+    ops = count(model, tokenizer, name, decoding, 96, steps, 0.25)
+    assert (ops.total - plain) / layers / steps <= 16
+    assert len(ops.files) <= 7, sorted(ops.files)
 
 
 def decode_steps(model, cache, ids, steps):
@@ -234,8 +265,9 @@ def test_a_model_with_sliding_layers_decodes_eagerly_under_emulated_graphs():
 
 
 def host_counts(cache):
-    """Every layer's host counts: what was fed, and its layout's."""
-    return [(layer.seen, type(layer.layout), vars(layer.layout)) for layer in cache.layers]
+    """Every layer's host counts: what was fed, and its layout's (not its slots, on the device, nor what it binds)."""
+    counts = [{k: v for k, v in vars(layer.layout).items() if k not in ("slots", "bound")} for layer in cache.layers]
+    return [(layer.seen, type(layer.layout), own) for layer, own in zip(cache.layers, counts, strict=True)]
 
 
 @pytest.mark.parametrize(("name", "decoding"), [("h2o", "evict"), ("full", "grow")])

@@ -285,7 +285,7 @@ def test_replayed_interval_steps_equal_eager_ones(tiny, name, params):
     replayed, replayed_logits, cache = interval_run(model, prompt_ids(), policy, graphs=True)
     assert torch.equal(replayed, tokens)
     torch.testing.assert_close(replayed_logits, logits, rtol=0, atol=1e-5)
-    votes = any(layer.steps.keeps for layer in cache.layers)
+    votes = any(layer.steps and layer.steps.keeps for layer in cache.layers)
     assert cache.graphs.replays == 0 if votes else cache.graphs.replays >= 8
 
 

@@ -10,20 +10,22 @@ from conftest import make_config
 from h2o_eval import generation
 from h2o_eval.cache import EvictionCache
 from h2o_eval.errors import ConfigError
+from h2o_eval.graphs import RecordedGraph
 from h2o_eval.groups import SharedPrompt
 from h2o_eval.models import load_model
 from h2o_eval.policies import make_policy
 from h2o_eval.run import validate
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
-def test_a_stack_decodes_each_cache_as_alone_and_leaves_the_caches_as_they_were(name):
+@pytest.mark.parametrize(("name", "length"), [("tiny-llama", 48), ("tiny-llama", 200), ("tiny-gemma3", 48)])
+def test_a_stack_decodes_each_cache_as_alone_and_leaves_the_caches_as_they_were(name, length):
     """Reference: each compressed cache (a full cache and H2O, SnapKV and StreamingLLM at budgets whose slots differ
-    in number) decoding a question alone; implementation: the same caches stacked, decoding it in one batch. Every
+    in number) decoding a question alone; implementation: the same caches stacked, decoding it in one batch, in one
+    call per group of rows that hold about as many tokens (one group at 48 tokens of context, three at 200). Every
     row generates the tokens its own cache generates alone, and the stacked caches still hold what they held."""
     model, _ = load_model(name, device="cpu")
     generator = torch.Generator().manual_seed(5)
-    context = torch.randint(5, model.config.vocab_size, (2, 48), generator=generator)
+    context = torch.randint(5, model.config.vocab_size, (2, length), generator=generator)
     prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (2, 6), generator=generator)], 1)
     cells = [("full", 1.0), ("h2o", 0.3), ("snapkv", 0.5), ("streaming", 0.2)]
     settings = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "pad_token_id": 0}
@@ -45,19 +47,24 @@ def test_a_stack_decodes_each_cache_as_alone_and_leaves_the_caches_as_they_were(
     stacked = EvictionCache.stack(caches)
     together = generation.decode(model, stacked, prompt.repeat(len(cells), 1), None, **settings)
     assert torch.equal(together[:, prompt.shape[1] :], torch.cat(alone))
+    decodes = [layer.decode for layer in stacked.layers if layer.decode is not None]
+    assert decodes and all(len(decode.groups) == (3 if length == 200 else 1) for decode in decodes)
     for cache, held in zip(caches, before, strict=True):
         for layer, (keys, slots) in zip(cache.layers, held, strict=True):
             assert torch.equal(layer.keys, keys) and torch.equal(layer.held, slots)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
-def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate_carried_to_the_end(name, monkeypatch):
+@pytest.mark.parametrize(("name", "length"), [("tiny-llama", 48), ("tiny-llama", 200), ("tiny-gemma3", 48)])
+def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate_carried_to_the_end(
+    name, length, monkeypatch
+):
     """Reference: a stack of compressed caches decoding a question in one ``generate``, every row carried to the
     longest answer; implementation: :func:`decode_leaving`, each row leaving the batch at its end of sequence (a
-    token the rows generate at different steps). The same sequences, and ``generate`` ran again as rows left."""
+    token the rows generate at different steps), its group's buffers laid out anew once half their rows have left.
+    The same sequences, and ``generate`` ran again as rows left."""
     model, _ = load_model(name, device="cpu")
     generator = torch.Generator().manual_seed(5)
-    context = torch.randint(5, model.config.vocab_size, (2, 48), generator=generator)
+    context = torch.randint(5, model.config.vocab_size, (2, length), generator=generator)
     prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (2, 6), generator=generator)], 1)
     cells = [("full", 1.0), ("h2o", 0.3), ("snapkv", 0.5), ("streaming", 0.2)]
     settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
@@ -70,19 +77,54 @@ def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate
     ids = prompt.repeat(len(cells), 1)
     monkeypatch.setattr(model.generation_config, "eos_token_id", None)
     free = generation.decode(model, stacked(), ids, None, **settings)[:, ids.shape[1] :]
-    ends = {}  # a token and the rows that generate it first at a step of their own, the first three steps not
-    for row in range(free.shape[0]):
-        for step, token in enumerate(free[row].tolist()[:9]):
-            ends.setdefault(token, {}).setdefault(row, step)
-    token = max(ends, key=lambda t: (len(set(ends[t].values())), len(ends[t])))
-    assert len(set(ends[token].values())) >= 2, "rows should end at different steps here, or the test proves little"
-    monkeypatch.setattr(model.generation_config, "eos_token_id", token)
+    ends = sorted({int(free[row, 2 + row]) for row in range(6)})  # a token of each of six rows, each at its own step
+    steps = [next((step for step, token in enumerate(row) if token in ends), None) for row in free.tolist()]
+    assert len(set(steps)) >= 4, "rows should end at different steps here, or the test proves little"
+    monkeypatch.setattr(model.generation_config, "eos_token_id", ends)
     carried = generation.decode(model, stacked(), ids, torch.ones_like(ids), **settings)
     calls, decode = [], generation.passes.decode
     monkeypatch.setattr(generation.passes, "decode", lambda *a, **k: calls.append(a[2].shape[0]) or decode(*a, **k))
     leaving = generation.passes.decode_leaving(model, stacked(), ids, torch.ones_like(ids), **settings)
     assert torch.equal(leaving, carried[:, : leaving.shape[1]]) and (carried[:, leaving.shape[1] :] == 0).all()
     assert len(calls) >= 2 and calls == sorted(calls, reverse=True) and calls[-1] < len(ids)
+
+
+@pytest.mark.parametrize("count", [1, 17, 61])
+def test_a_stack_replays_its_decode_steps_as_graphs_and_answers_as_eagerly_while_rows_leave(count, monkeypatch):
+    """Reference: ``count`` compressed caches (six policies, budgets from 0.1 to 0.95) stacked and decoded eagerly,
+    rows leaving as their answers end; implementation: the same under ``graphs="emulate"``, which replays a
+    captured step's aten operations with a CUDA graph's semantics. The same sequences, with steps replayed (the
+    stack re-captures as rows leave: a stack of fewer rows is a stack of its own)."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    generator = torch.Generator().manual_seed(5)
+    context = torch.randint(5, model.config.vocab_size, (1, 48), generator=generator)
+    prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (1, 6), generator=generator)], 1)
+    names = ["full", "h2o", "snapkv", "streaming", "tova", "knorm"]
+    cells = [(names[i % len(names)], 0.1 + 0.85 * i / max(count - 1, 1)) for i in range(count)]
+    settings = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": 0}
+    ids = prompt.repeat(count, 1)
+
+    def decoded(graphs):
+        caches = [
+            EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow", graphs=graphs)
+            for p, b in cells
+        ]
+        generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
+        stack = EvictionCache.stack(caches)
+        return generation.passes.decode_leaving(model, stack, ids, torch.ones_like(ids), **settings)
+
+    monkeypatch.setattr(model.generation_config, "eos_token_id", None)
+    free = decoded(False)[:, ids.shape[1] :]
+    ends = sorted({int(free[1, 3]), int(free[2, 9])}) if count > 1 else None  # rows 1 and 2 end apart
+    monkeypatch.setattr(model.generation_config, "eos_token_id", ends)
+    eager = decoded(False)
+    replays, replay = [], RecordedGraph.replay
+    monkeypatch.setattr(RecordedGraph, "replay", lambda self, owned: replays.append(self) or replay(self, owned))
+    assert torch.equal(decoded("emulate"), eager)
+    assert len(replays) >= 4
+    if count > 1:
+        assert len({int((row != 0).sum()) for row in eager[:, ids.shape[1] :]}) > 1, "rows should leave apart"
+        assert len(set(replays)) >= 2, "the stack left by the rows that ended should replay captures of its own"
 
 
 def test_a_stack_going_on_with_some_rows_copies_only_the_caches_that_lose_rows():

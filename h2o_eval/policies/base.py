@@ -333,6 +333,11 @@ class Policy:
         return type(self).position_scores is not Policy.position_scores
 
     @property
+    def keyed(self) -> bool:
+        """Whether the policy scores an arriving key by more than its position (:meth:`key_scores`)."""
+        return type(self).key_scores is not Policy.key_scores
+
+    @property
     def rescores(self) -> bool:
         """Whether the policy scores a prompt at its compression (:meth:`compression_scores`)."""
         return type(self).compression_scores is not Policy.compression_scores
@@ -352,13 +357,7 @@ class Policy:
     def ranks_tokens(self) -> bool:
         """Whether scores rank the unprotected tokens (attention votes, key scores, compression scores or extra
         passes): what a policy that hands out slots by score (Ada-KV, CriticalKV) needs of its base."""
-        return (
-            self.rule.votes != Votes.NONE
-            or type(self).key_scores is not Policy.key_scores
-            or self.positional
-            or self.rescores
-            or self.rehearses
-        )
+        return self.rule.votes != Votes.NONE or self.keyed or self.positional or self.rescores or self.rehearses
 
     @property
     def has_cache(self) -> bool:

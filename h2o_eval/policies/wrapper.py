@@ -119,6 +119,10 @@ class Wrapper(Policy):
         return self.base.positional
 
     @property
+    def keyed(self) -> bool:
+        return self.base.keyed
+
+    @property
     def rescores(self) -> bool:
         return self.base.rescores
 
