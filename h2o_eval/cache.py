@@ -39,6 +39,7 @@ from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import CudaGraph, DecodeGraphs, RecordedGraph, host_state, restore_host_state
 from h2o_eval.graphs import install as install_graphs
 from h2o_eval.implementation import choose
+from h2o_eval.interval import Steps
 from h2o_eval.kernels.reference import CONSTANTS
 from h2o_eval.layer import EvictionLayer
 from h2o_eval.policies import Full, Interval, Policy, Rule, check_decoding, check_protocol
@@ -311,6 +312,25 @@ class EvictionCache(Cache):
         self.shared.deferred = False
         for layer, capacity in zip(layers, capacities, strict=True):
             layer.compress_prompt(capacity)
+
+    # -- turns of a conversation (protocol=turns) -----------------------------------------------------------------
+
+    def begin_turn(self) -> None:
+        """From now on every layer keeps the attention inputs fed (eagerly: no CUDA graph records them), which
+        :meth:`compress_turn` scores by. A policy whose scores need a pass of its own over a prompt (kvzip, the
+        oracle, snapkv's question-aware window) cannot be compressed so and is refused."""
+        interval = Interval(policy=self.policy)  # refuses such a policy, naming the ones that fit
+        self.turn_start = self.shared.last + 1  # [B] the position the turn's first token takes
+        for layer in self.layers:
+            layer.turn = Steps(interval)
+
+    def compress_turn(self, schedule: str) -> None:
+        """Compress what every layer holds at the end of a turn (:meth:`EvictionLayer.compress_turn`), by the
+        attention inputs kept since :meth:`begin_turn`: ``nested`` over everything held, ``new_turn`` over the
+        tokens fed since, the older ones untouched."""
+        since = None if schedule == "nested" else self.turn_start
+        for layer in self.layers:
+            layer.compress_turn(since)
 
     # -- copies --------------------------------------------------------------------------------------------------
 

@@ -95,7 +95,8 @@ def groups(specs: list[Spec]) -> list[list[Spec]]:
     alone = []
     for spec in specs:
         if spec.runner.shares_prompts(spec.config):
-            key = json.dumps({k: v for k, v in spec.config.items() if k not in SHARED_KEYS}, sort_keys=True)
+            kept = {k: v for k, v in spec.config.items() if k not in SHARED_KEYS}
+            key = json.dumps(kept | {"conversation": spec.config["protocol"] == "turns"}, sort_keys=True)
             together.setdefault(key, []).append(spec)
         else:
             alone.append([spec])

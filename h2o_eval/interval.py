@@ -209,3 +209,37 @@ def compression(steps: Steps, context, layer: int, seen: int, slots: Slots) -> t
 
     kept, scores, _ = compress(held, scores, position, capacity, recent, sinks, now, interval.policy.rule, rescore)
     return kept, scores
+
+
+def turn_compression(
+    steps: Steps, context, layer: int, slots: Slots, since: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``protocol=turns``' compression of layer ``layer`` (holding ``slots``; ``context``: its
+    :class:`~h2o_eval.context.LayerContext`) after a turn, by its policy's scores as an interval compression makes
+    them (:func:`interval_scores`, :func:`held_scores`: key scores and the votes of the attention inputs ``steps``
+    recorded since the last compression, or its scores of what is held) and with the layout an interval compression
+    keeps (:meth:`~h2o_eval.policies.Interval.layout`: the policy's recent window and sinks at the target). The
+    candidates are every held token (``since`` None: FlowKV's nested schedule) or those at positions from ``since``
+    [B] on (its new-turn-only schedule); each KV head keeps the policy's capacity of its candidates' count
+    (``policy.capacity``: the budget's fraction, rounded as the run says) and every token that is no candidate, with
+    its score. Returns the slots then held and their scores."""
+    policy = context.policy
+    held, position = slots.held, slots.position
+    candidate = held if since is None else held & (position >= since.view(-1, 1, 1))
+    now = torch.where(held, position, -1).amax((1, 2))
+    counts = candidate.sum(-1)
+    capacity = counts.cpu().apply_(policy.capacity).to(counts.device).minimum(counts)  # reads the device, as a chunk
+    target = max(1, int(capacity.max()))
+    plan = Interval(target_size=target, policy=policy).layout(policy, target, layer, context.num_layers)
+    recent = torch.full(now.shape, plan.recent, dtype=torch.int64, device=now.device)
+    sinks = torch.full(now.shape, plan.sinks, dtype=torch.int64, device=now.device)
+    if policy.scores_held:
+        scores = held_scores(policy, layer, slots, target, steps, context.rotary)
+    else:
+        scores = interval_scores(policy, layer, slots.keys, held, position, now, steps, context.rotary, steps.scaling)
+
+    def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
+        return policy.rescore_held(pooled, protected, slots.values, candidate, capacity, steps.module)
+
+    kept, found, _ = compress(candidate, scores, position, capacity, recent, sinks, now, policy.rule, rescore)
+    return (held & ~candidate) | kept, torch.where(candidate, found, slots.scores)

@@ -40,7 +40,7 @@ from h2o_eval.compression import compress
 from h2o_eval.context import LayerContext, Plan, Sequences, arriving_scores, first_plan, plan_tensors, starting_scores
 from h2o_eval.decode import Slots, bucket
 from h2o_eval.eviction import Chunk
-from h2o_eval.interval import Steps, between, compression
+from h2o_eval.interval import Steps, between, compression, turn_compression
 from h2o_eval.layouts import Binding, Bounded, DecodeLayout, Dense, Ragged
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.inputs import Prompt, Rehearsal
@@ -74,6 +74,8 @@ class EvictionLayer(CacheLayerMixin):
         self.layout: DecodeLayout | None = None
         # decoding=interval: the forwards since the last compression (None under another decoding: no step asks)
         self.steps = None if context.interval is None else Steps(context.interval)
+        # protocol=turns: the attention inputs fed since the last turn's compression (None: nothing recorded)
+        self.turn: Steps | None = None
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
 
@@ -171,6 +173,9 @@ class EvictionLayer(CacheLayerMixin):
         self.scaling = scaling
         if self.steps is not None:
             self.steps.saw(self, module, hidden_states, scaling)
+        if self.turn is not None:
+            self.turn.saw(self, module, hidden_states, scaling)
+            self.turn.fed(arriving.shape[1])
         if self.seen == self.shared.columns:  # the first layer this forward reaches
             self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
         check_window(self.context.window, self.shared.longest)
@@ -217,7 +222,8 @@ class EvictionLayer(CacheLayerMixin):
 
     def capturable(self) -> bool:
         """Whether this layer's next one-token step is a decode step that can be captured (:mod:`h2o_eval.graphs`)."""
-        return self.window is None and self.layout is not None and self.seen > 0 and self.pending is None
+        ready = self.window is None and self.layout is not None and self.seen > 0 and self.pending is None
+        return ready and self.turn is None
 
     def prepare_decode(self) -> None:
         """Before a decode step, on the host: the buffers wide enough for one more token (a new bucket for a layer
@@ -452,6 +458,20 @@ class EvictionLayer(CacheLayerMixin):
         self._keep(Slots(slots.keys, slots.values, kept, slots.position, scores), slots.held)
         self.settle()
         self.steps.reset()
+
+    def compress_turn(self, since: torch.Tensor | None) -> None:
+        """``protocol=turns``: compress what this layer holds after a turn, as kvpress's press compresses the cache it
+        holds by the queries of what was fed since (:func:`~h2o_eval.interval.turn_compression`, over the attention
+        inputs :attr:`turn` recorded). ``since`` None (``nested``): every held token is a candidate; else [B] the
+        first position of the new turn (``new_turn``): only the tokens from there are, and the older ones keep their
+        slots, keys, values and scores untouched. A sliding layer keeps its own window."""
+        steps, self.turn = self.turn, None
+        if self.window is not None or steps is None:
+            return
+        slots = self._compacted()
+        held, scores = turn_compression(steps, self.context, self.layer_idx, slots, since)
+        self._keep(Slots(slots.keys, slots.values, held, slots.position, scores), slots.held)
+        self.settle()
 
     def adopt_rehearsal(self, other: EvictionLayer) -> None:
         """Take the scores ``other``'s extra passes gave the same deferred prompt

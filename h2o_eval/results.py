@@ -38,6 +38,7 @@ NOT_IDENTITY = (
     "graphs",
     "threads",
     "interval",  # identity only under decoding=interval (_identity)
+    "turns",  # identity only under protocol=turns (_identity)
 )
 # What every record holds and the plot reads; a JSON file without these is not a record.
 RECORD_KEYS = (
@@ -104,6 +105,8 @@ def _identity(
     ident["built_policy"] = built_policy
     if config.get("decoding") == "interval":
         ident["interval"] = interval
+    if config.get("protocol") == "turns":
+        ident["turns"] = dict(config["turns"])
     ident["data"] = data_hash
     return ident
 
@@ -133,7 +136,9 @@ def record_path(results_dir: str | Path, config: dict[str, Any], ident: dict[str
             task["name"] + (f"-{task['length']}" if task.get("length") is not None else ""),
             "+".join([config["policy"]["name"], *(f"{k.removeprefix('policy.')}={v}" for k, v in params.items())]),
             f"b{config['budget']}",
-            protocol + (f"-{config['decoding']}" if protocol != "simulate" else ""),
+            protocol
+            + (f"-{config['turns']['history']}-{config['turns']['schedule']}" if protocol == "turns" else "")
+            + (f"-{config['decoding']}" if protocol != "simulate" else ""),
             *([f"{count}q"] if (count := settings.questions(config)) is not None else []),
             f"{config['num_fewshot']}shot",
             digest(ident),

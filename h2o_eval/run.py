@@ -29,6 +29,7 @@ from h2o_eval.policies import (
     configured_interval,
     configured_policy,
 )
+from h2o_eval.policies.base import HISTORIES, SCHEDULES, refuse_interval_policy
 from h2o_eval.runners import Evaluation, Runner, check_generation_keys, check_task_keys, runner_of
 from h2o_eval.threads import apply as apply_threads
 from h2o_eval.threads import default_threads
@@ -81,6 +82,8 @@ def validate(config: dict[str, Any]) -> Spec:
     check_protocol(policy, protocol, config["kernels"])
     check_decoding(protocol, config["decoding"], policy)
     configured_interval(config, policy)
+    if protocol == "turns":
+        check_turns(config, policy, runner.name)
     from h2o_eval.models import check_available, resolve_device, resolve_dtype
 
     device = resolve_device(config["device"])
@@ -94,6 +97,37 @@ def validate(config: dict[str, Any]) -> Spec:
     ident = results.identity(resolved, policy)
     path = results.record_path(resolved["results_dir"], resolved, ident)
     return Spec(resolved, runner, policy, ident, path, settings.departures(resolved, ident["built_policy"]))
+
+
+def check_turns(config: dict[str, Any], policy: Any, runner: str) -> None:
+    """``protocol=turns``' settings: a long-context task of several questions (its turns), a known history and
+    schedule, and under ``nested`` or ``new_turn`` a policy a turn's compression can score with a fractional
+    budget."""
+    turns = dict(config.get("turns") or {})
+    if unknown := set(turns) - {"history", "schedule"}:
+        raise ConfigError(f"turns takes no {', '.join(sorted(unknown))}: its settings are history, schedule")
+    if runner != "long_context":
+        raise ConfigError("protocol=turns asks a RULER-style task's questions as turns: use task=niah_single_1 or "
+                          "another long-context task, or protocol=context")  # fmt: skip
+    if (count := config["task"].get("questions") or 1) < 2:
+        raise ConfigError(f"protocol=turns needs two questions or more per context (task.questions={count}): set "
+                          "task.questions=4")  # fmt: skip
+    if turns.get("history") not in HISTORIES:
+        raise ConfigError(f"turns.history={turns.get('history')!r}: use one of {', '.join(HISTORIES)}")
+    schedule = turns.get("schedule")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"turns.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if schedule == "once":
+        return
+    if not isinstance(policy.budget, float):
+        raise ConfigError(f"turns.schedule={schedule} keeps a fraction of each turn: use a fractional budget, not "
+                          f"budget={policy.budget}")  # fmt: skip
+    try:
+        refuse_interval_policy(policy)
+    except ConfigError as error:
+        reason = str(error).removeprefix("decoding=interval: ")
+        reason = reason.replace("an interval compression", "a turn's compression")
+        raise ConfigError(f"turns.schedule={schedule}: {reason}; or turns.schedule=once") from None
 
 
 def _check_writable(results_dir: Path) -> None:

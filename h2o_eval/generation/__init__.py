@@ -15,7 +15,7 @@ all contexts end in one column. Under the other protocols the prompt is whole (i
 - :mod:`~h2o_eval.generation.partial`: the answers so far, kept after every batch, that a stopped run resumes from.
 """
 
-from h2o_eval.generation.answering import Answers, Cell, Document, Settings, answer
+from h2o_eval.generation.answering import Answers, Cell, Document, Settings, Turns, answer
 from h2o_eval.generation.batches import (
     Batch,
     available_memory,
@@ -38,6 +38,7 @@ __all__ = [
     "GenerationLog",
     "Progress",
     "Settings",
+    "Turns",
     "answer",
     "answer_key",
     "answers",

@@ -47,10 +47,27 @@ class Cell:
 
 @dataclass(frozen=True)
 class Document:
-    """A context and its questions, as token ids; question ``k`` follows the context as its prompt's end."""
+    """A context and its questions, as token ids; question ``k`` follows the context as its prompt's end. Under
+    ``protocol=turns`` the questions are a conversation's turns: question ``k`` > 0 follows turn ``k - 1``'s
+    history (opening a user turn), ``answers[k]`` is turn ``k``'s gold answer with the end of its assistant turn,
+    and ``end`` what ends an assistant turn (:class:`Turns`)."""
 
     context: list[int]
     questions: list[list[int]]
+    answers: list[list[int]] = field(default_factory=list)
+    end: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Turns:
+    """``protocol=turns``: the history a turn leaves in the cache (``gold``: the question and the gold answer, the
+    model's own answer dropped, SCBench's default; ``own``: the question and the model's answer, closed by the end of
+    its turn, SCBench's ``--disable_golden_context``) and when the cache is compressed (``once``: the context only;
+    ``nested``: then everything held after each turn; ``new_turn``: then each turn's own tokens, FlowKV's
+    schedules)."""
+
+    history: str = "gold"
+    schedule: str = "once"
 
 
 @dataclass
@@ -83,6 +100,7 @@ class Settings:
     graphs: bool | str = True
     stack: bool = False
     interval: Interval | None = None
+    turns: Turns = Turns()
 
 
 def answer(
@@ -119,6 +137,8 @@ def answer(
             members = [i for i, cell in enumerate(cells) if cell.protocol == protocol]
             if protocol == "context":
                 run.contexts(members)
+            elif protocol == "turns":
+                run.conversations(members)
             else:
                 run.prompts(members, protocol)
     for answers, count in zip(run.answers, kept, strict=True):
@@ -348,6 +368,71 @@ class _Answering:
             seconds[i], cpu[i] = 0.0, cpu_parts()
         return own, spent, each
 
+    def conversations(self, members: list[int]) -> None:
+        """``protocol=turns``: one document at a time, its context is fed (once for every cell) and compressed as
+        under ``context``; then each cell holds one conversation in its cache, turn after turn (:meth:`_converse`)."""
+        for start in self._starts("turns", len(self.documents), 1):
+            document = self.documents[start]
+            self.progress.phase(f"document {start + 1}: context")
+            self.answered = {}
+            ids = torch.tensor([document.context], device=self.device)
+            mask = torch.ones_like(ids)
+            caches = self._caches(members, "context")
+            began, prompt = time.perf_counter(), cpu_parts()
+            feeder = caches[members[0]] if len(members) == 1 else SharedPrompt(list(caches.values()))
+            with cpu_into(prompt, "prompt"):
+                feed(self.model, feeder, ids, mask)
+            del feeder
+            share = (time.perf_counter() - began) / len(members)
+            cpu = {i: shared(prompt, len(members)) for i in members}
+            settled = self._settle(caches, ids, mask, cpu)
+            self.progress.phase(f"document {start + 1}: {len(document.questions)} turns")
+            for i in members:
+                began, cache = time.perf_counter(), caches.pop(i)
+                if cache.deferred:  # the oracle: its context compressed for the first question
+                    with cpu_into(cpu[i], "scoring"):
+                        settle(
+                            self.model, cache, self.tokenizer, ids, mask, [document.questions[0]],
+                            answered=self.answered, **self.greedy,
+                        )  # fmt: skip
+                spent = share + settled[i] + time.perf_counter() - began
+                self._converse(i, cache, start, spent, cpu[i])
+
+    def _converse(self, i: int, cache: EvictionCache, d: int, seconds: float, cpu: dict) -> None:
+        """Cell ``i``'s conversation over document ``d`` in ``cache`` (its context compressed), one row per turn.
+        Turn ``k`` > 0 first feeds the history turn ``k - 1`` left (:class:`Turns`) as one chunk and, under
+        ``nested`` or ``new_turn``, compresses the cache by the attention inputs fed since the last compression; its
+        question then follows and is answered greedily, from a copy of the cache under ``gold`` (its answer is
+        dropped with the copy), in the cache itself under ``own`` (the last generated token, never fed, opens the
+        history)."""
+        document, turns = self.documents[d], self.settings.turns
+        fed, history = list(document.context), []
+        for k, question in enumerate(document.questions):
+            began = time.perf_counter()
+            if history:
+                with cpu_into(cpu, "prompt"):
+                    extend(self.model, cache, fed, history)
+                fed += history
+                if turns.schedule != "once":
+                    with cpu_into(cpu, "scoring"):
+                        cache.compress_turn(turns.schedule)
+            if turns.schedule != "once" and k < len(document.questions) - 1:
+                cache.begin_turn()
+            ids = torch.tensor([fed + question], device=self.device)
+            batch = Batch(ids, torch.ones_like(ids), len(fed))
+            answering = cache.fork([0]) if turns.history == "gold" else cache
+            sequences = decode(
+                self.model, answering, ids, batch.attention_mask, cpu=cpu, tokenizer=self.tokenizer, **self.greedy
+            )
+            self._keep(i, batch, sequences, answering, seconds + time.perf_counter() - began, [(d, k)], cpu)
+            seconds, cpu = 0.0, cpu_parts()
+            if turns.history == "gold":
+                history = question + document.answers[k]
+            else:
+                generated = sequences[0].tolist()
+                last, fed = generated[-1], generated[:-1]
+                history = [last] + (document.end[1:] if document.end[:1] == [last] else document.end)
+
     def prompts(self, members: list[int], protocol: str) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
         ``prefill`` with several cells the prompt pass (and the first new token, which depends on it alone) is
@@ -384,6 +469,22 @@ class _Answering:
             for i in members:
                 cache = caches.pop(i)
                 self._answer(i, cache, extended, share, chunk, dict(each), batch)
+
+
+def extend(model: Any, cache: EvictionCache, fed: list[int], chunk: list[int]) -> None:
+    """Feed ``chunk`` (token ids of one sequence) through ``cache``, which has seen ``fed``, as one chunk at the
+    positions after it; its logits are never read."""
+    ids = torch.tensor([chunk], device=next(model.parameters()).device)
+    mask = torch.ones(1, len(fed) + len(chunk), dtype=torch.int64, device=ids.device)
+    with torch.no_grad():
+        model(
+            ids,
+            attention_mask=mask,
+            position_ids=torch.arange(len(fed), len(fed) + len(chunk), device=ids.device).view(1, -1),
+            use_cache=True,
+            logits_to_keep=1,
+            cache=cache,
+        )
 
 
 def stack_taking(forks: list[EvictionCache]) -> Any:

@@ -28,7 +28,10 @@ from h2o_eval.checks import check_budget
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies.inputs import Prompt, Rehearsal, Script
 
-PROTOCOLS = ("simulate", "prefill", "context")
+PROTOCOLS = ("simulate", "prefill", "context", "turns")
+# protocol=turns: what a turn leaves in the cache, and when the cache is compressed (h2o_eval.generation.Turns)
+HISTORIES = ("gold", "own")
+SCHEDULES = ("once", "nested", "new_turn")
 # After a prefill/context compression: evict = the policy's own rule (evicting policies keep evicting one token per
 # arriving token); grow = nothing is evicted after the compression (kvpress's pipeline, whose presses act once);
 # interval = nothing is evicted by an arriving token, and every ``compression_interval`` forwards the cache is
@@ -394,7 +397,7 @@ def check_protocol(policy: Policy, protocol: str, kernels: str) -> None:
     """Refuse a protocol or kernel choice that does not exist, or that this policy cannot run."""
     if protocol not in PROTOCOLS:
         raise ConfigError(f"protocol={protocol!r}: use one of {', '.join(PROTOCOLS)}")
-    if protocol not in policy.protocols:
+    if (protocol if protocol != "turns" else "context") not in policy.protocols:  # turns compress a context
         raise ConfigError(
             f"policy {policy.name!r} exists only in the {' and '.join(policy.protocols)} protocol"
             f"{'s' if len(policy.protocols) > 1 else ''}: use protocol={policy.protocols[0]}"

@@ -15,16 +15,20 @@ after kvpress's post-processing (control characters removed, stripped).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from h2o_eval import ruler
 from h2o_eval.data import first
 from h2o_eval.errors import ConfigError
 from h2o_eval.runners import Evaluation, Runner
+
+if TYPE_CHECKING:
+    from h2o_eval.generation import Document
 
 CONTROL = re.compile(r"[\x00-\x1f]")
 METRICS = {"string_match_all": ruler.string_match_all, "string_match_part": ruler.string_match_part}
@@ -62,6 +66,59 @@ def wrap(tokenizer: Any, document: Mapping[str, Any]) -> Prompt:
     )
 
 
+def turn_template(tokenizer: Any) -> tuple[str, str]:
+    """What ends an assistant turn, and what then opens the next user turn, in the model's chat template (rendered
+    around marker strings, as SCBench takes a turn's text off the rendered conversation); without a chat template,
+    SCBench's plain separator ("{answer}\\n\\n{question}")."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n\n", ""
+    user, answer, follow = "\x00U\x00", "\x00A\x00", "\x00F\x00"
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    closed = tokenizer.apply_chat_template(messages, tokenize=False)
+    opened = tokenizer.apply_chat_template(
+        [*messages, {"role": "user", "content": follow}], tokenize=False, add_generation_prompt=True
+    )
+    end = closed.split(answer, 1)[1]
+    between = opened.split(answer, 1)[1].split(follow, 1)[0]
+    if not between.startswith(end):
+        raise ConfigError("protocol=turns: this chat template renders a closed assistant turn unlike a continued "
+                          "conversation, so its turns cannot be cut: use protocol=context")  # fmt: skip
+    return end, between[len(end) :]
+
+
+def conversation(tokenizer: Any, prompt: Prompt, task: Mapping[str, Any]) -> Document:
+    """A wrapped document as the turns of one conversation (``protocol=turns``): the first question as
+    :func:`wrap` puts it, each later one in a user turn of its own, each gold answer (every reference joined by
+    ", " for ``string_match_all``, the first for ``string_match_part``) after its answer prefix, closing the
+    assistant turn."""
+    from h2o_eval.generation import Document
+
+    end, opening = turn_template(tokenizer)
+    suffix = _question_suffix(tokenizer)
+    questions = prompt.document["questions"]
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    later = [encode(opening + q["question"] + suffix + q["answer_prefix"]) for q in questions[1:]]
+    join = ", ".join if task["metric"] == "string_match_all" else (lambda outputs: outputs[0])
+    return Document(
+        prompt.context_ids,
+        [prompt.question_ids[0], *later],
+        [encode(" " + join(q["outputs"]) + end) for q in questions],
+        encode(end),
+    )
+
+
+def _question_suffix(tokenizer: Any) -> str:
+    """What :func:`wrap` puts between a question and its answer prefix: the end of the user turn and the assistant
+    header, or a newline without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "\n"
+    marker = "\x00Q\x00"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    return rendered.split(marker, 1)[1]
+
+
 def prompts(tokenizer: Any, config: Mapping[str, Any]) -> list[Prompt]:
     """The run's documents (the first ``limit``), wrapped, after checking that the longest prompt and its answer
     fit in the model's positions."""
@@ -91,9 +148,10 @@ def score(task: Mapping[str, Any], prediction: str, references: Sequence[str]) -
     return METRICS[task["metric"]](CONTROL.sub("", prediction).strip(), references)
 
 
-def _row(task, prompt: Prompt, k: int, generated: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-    """One question's output: ids (``id`` unique per question, ``document`` shared by a document's questions),
-    where its needles were, the references, the answer and its score, and the generation's own fields."""
+def _row(task, prompt: Prompt, k: int, generated: dict[str, Any], tokenizer: Any, turns: bool) -> dict[str, Any]:
+    """One question's output: ids (``id`` unique per question, ``document`` shared by a document's questions; under
+    ``protocol=turns`` its ``turn``, from 1), where its needles were, the references, the answer and its score, and
+    the generation's own fields."""
     document, question = prompt.document, prompt.document["questions"][k]
     prediction = tokenizer.decode(generated.pop("tokens"), skip_special_tokens=True).strip()
     many = len(document["questions"]) > 1
@@ -101,6 +159,7 @@ def _row(task, prompt: Prompt, k: int, generated: dict[str, Any], tokenizer: Any
         "id": f"{document['index']}/{k}" if many else document["index"],
         "document": document["index"],
         "question": k,
+        **({"turn": k + 1} if turns else {}),
         "depths": question["depths"],
         "depth": question["depths"][0] if question["depths"] else None,
         "answers": question["outputs"],
@@ -153,7 +212,7 @@ class LongContextRunner(Runner):
         return self.evaluate_shared(model, tokenizer, [(policy, config)])[0]
 
     def shares_prompts(self, config: Mapping[str, Any]) -> bool:
-        return config["protocol"] in ("prefill", "context")
+        return config["protocol"] in ("prefill", "context", "turns")
 
     def evaluate_shared(
         self, model: Any, tokenizer: Any, cells: Sequence[tuple[Any, Mapping[str, Any]]], partial: Any = None
@@ -188,19 +247,25 @@ class LongContextRunner(Runner):
             graphs=config["graphs"],
             stack=config["stack_cells"],
             interval=configured_interval(config, cells[0][0]),
+            turns=generation.Turns(**config["turns"]) if config["protocol"] == "turns" else generation.Turns(),
         )
+        if config["protocol"] == "turns":  # a grid's group is all turns, or none (grid.groups)
+            documents = [conversation(tokenizer, item, task) for item in items]
+        else:
+            documents = [generation.Document(item.context_ids, item.question_ids) for item in items]
         answered = generation.answer(
             model,
             tokenizer,
             [generation.Cell(policy, cell["protocol"]) for policy, cell in cells],
-            [generation.Document(item.context_ids, item.question_ids) for item in items],
+            documents,
             settings,
             label=f"answering {task['name']}" + (f" x {len(cells)} cells" if len(cells) > 1 else ""),
             partial=partial,
         )
         evaluations = []
         for answers in answered:
-            rows = [_row(task, items[d], k, generated, tokenizer) for d, k, generated in answers.rows]
+            turns = config["protocol"] == "turns"
+            rows = [_row(task, items[d], k, generated, tokenizer, turns) for d, k, generated in answers.rows]
             n = max(len(rows), 1)
             metric = task["metric"]
             fields = {
