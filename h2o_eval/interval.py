@@ -23,7 +23,7 @@ from h2o_eval.compression import compress
 from h2o_eval.decode import Slots
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import UNBOUNDED, Interval, Policy, Rule
-from h2o_eval.policies.base import Combine, Votes
+from h2o_eval.policies.base import Combine, Heads, Votes
 from h2o_eval.policies.inputs import Prompt, query_projection
 
 
@@ -237,6 +237,8 @@ def turn_compression(
         scores = held_scores(policy, layer, slots, target, steps, context.rotary)
     else:
         scores = interval_scores(policy, layer, slots.keys, held, position, now, steps, context.rotary, steps.scaling)
+    if policy.rule.heads == Heads.LAYER:  # the layer's KV heads hold the same tokens in the same slots (TOVA)
+        scores = scores.sum(1, keepdim=True).expand_as(scores)
 
     def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return policy.rescore_held(pooled, protected, slots.values, candidate, capacity, steps.module)

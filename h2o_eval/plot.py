@@ -58,6 +58,7 @@ from h2o_eval.reports.tables import (
     table,
     write_tables,
 )
+from h2o_eval.reports.turns import write_by_turn
 from h2o_eval.reports.wandb_log import log_to_wandb
 from h2o_eval.results import read_records
 
@@ -92,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
         "for agreement, the kept trace, accuracy, the generated length, each class's share and the evicting share",
     )
     parser.add_argument(
+        "--by",
+        choices=["turn"],
+        help="turn: protocol=turns records, the scores at each turn of the conversation (turns.md, turns.png, and the "
+        "paired comparisons at each turn)",
+    )
+    parser.add_argument(
         "--leaderboard",
         action="store_true",
         help="long-context tasks: the mean over tasks per policy and compression ratio instead (table and figure)",
@@ -118,6 +125,11 @@ def _plot(args: argparse.Namespace, out: Path) -> None:
             f" --{name} {' '.join(getattr(args, name))}" for name in ("task", "model") if getattr(args, name)
         )
         print(write_provenance(records, str(args.results_dir), out, options))
+        return
+    if args.by == "turn":
+        files, text = write_by_turn(records, args.results_dir, out, args.against)
+        print("\n".join(map(str, files)))
+        print(text)
         return
     if args.board:
         files = write_board(records, out)

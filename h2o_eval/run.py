@@ -408,12 +408,15 @@ def summary_line(record: dict[str, Any], found: dict[str, Any]) -> str:
     """One line naming the run's setting (with the prompt length, the questions per context, the decoding rule
     and every departure from the defaults, ``found``: :attr:`Spec.departures`), its scores and its wall time."""
     config = record["config"]
+    metrics = record["metrics"]
     scores = "  ".join(
-        f"{name}={value:.4f}" for name, value in record["metrics"].items() if not name.endswith("_stderr")
+        f"{name}={value:.4f}" for name, value in metrics.items() if not re.search(r"_stderr$|_n$|_turn\d+$", name)
     )
+    if turns := [value for name, value in metrics.items() if re.search(r"_turn\d+$", name)]:
+        scores += f"  by turn: {' '.join(f'{value:.2f}' for value in turns)}"
     kept = f" (kept {record['capacity']['kept_fraction_mean']:.0%})" if "capacity" in record else ""
     params = [settings.label(key, value) for key, value in found.items() if key.startswith("policy.")]
-    named = ("decoding", "task.questions")
+    named = ("decoding", "task.questions", "turns.history", "turns.schedule")
     others = [
         settings.label(key, value) for key, value in found.items() if not key.startswith("policy.") and key not in named
     ]
@@ -421,6 +424,8 @@ def summary_line(record: dict[str, Any], found: dict[str, Any]) -> str:
     if (count := settings.questions(config)) is not None:
         task += f" ({config['task']['length']} tokens, {settings.questions_label(count)})"
     protocol = record["protocol"] + (f" decoding={config['decoding']}" if record["protocol"] != "simulate" else "")
+    if record["protocol"] == "turns":
+        protocol += f" history={config['turns']['history']} schedule={config['turns']['schedule']}"
     budget = "no budget" if record["policy_params"]["name"] == "dms" else f"budget={record['budget']}"  # a threshold
     return (
         f"{record['model']} | {task} | {' '.join([record['policy'], *params])} {budget}{kept} "

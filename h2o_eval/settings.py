@@ -86,19 +86,21 @@ def policy_departures(built: Mapping[str, Any]) -> dict[str, Any]:
 def departures(config: Mapping[str, Any], built_policy: Mapping[str, Any]) -> dict[str, Any]:
     """A run's settings that differ from their defaults (see the module), besides what every report names, as
     dotted keys: the policy's parameters as :func:`policy_departures` gives them (``window``), the task's
-    (``task.questions``), ``decoding`` (never under ``simulate``, where nothing is compressed) and under
-    ``decoding=interval`` its ``interval.*`` settings (a ``target_size`` that is the budget, in tokens, is named
-    as the budget), ``rounding``,
-    ``seed``, ``dtype`` and summarisation's ``generation.*``."""
+    (``task.questions``), ``decoding`` (never under ``simulate``, where nothing is compressed), under
+    ``protocol=turns`` its ``turns.*`` settings and under ``decoding=interval`` its ``interval.*`` settings (a
+    ``target_size`` that is the budget, in tokens, is named as the budget), ``rounding``, ``seed``, ``dtype`` and
+    summarisation's ``generation.*``."""
     from h2o_eval.runners import runner_of
 
     found = policy_departures(built_policy)
     defaults = _config_defaults()
     extra = runner_of(config["task"]).identity(config)
-    for key in ("rounding", "decoding", "interval", "seed", "dtype", *extra):
+    for key in ("rounding", "decoding", "interval", "turns", "seed", "dtype", *extra):
         if key == "decoding" and config.get("protocol") == "simulate":
             continue
         if key == "interval" and config.get("decoding") != "interval":
+            continue
+        if key == "turns" and config.get("protocol") != "turns":
             continue
         value = extra.get(key, config.get(key))
         if isinstance(value, Mapping):
@@ -150,6 +152,8 @@ def _applies(key: str, config: Mapping[str, Any]) -> bool:
         return key.removeprefix("task.") in config["task"]
     if key.startswith("interval."):
         return config.get("decoding") == "interval"
+    if key.startswith("turns."):
+        return config.get("protocol") == "turns"
     return key != "decoding" or config.get("protocol") != "simulate"
 
 

@@ -112,7 +112,7 @@ def held_entries(cache: EvictionCache) -> list[dict[int, tuple]]:
     return found
 
 
-@pytest.mark.parametrize("policy", ["h2o", "knorm", "keydiff"])
+@pytest.mark.parametrize("policy", ["h2o", "knorm", "keydiff", "tova"])  # tova: its preset heads=layer
 @pytest.mark.parametrize("history", ["gold", "own"])
 @torch.no_grad()
 def test_new_turn_leaves_the_earlier_turns_untouched_and_nested_does_not(tiny, monkeypatch, policy, history):
@@ -127,7 +127,7 @@ def test_new_turn_leaves_the_earlier_turns_untouched_and_nested_does_not(tiny, m
         compressions.append((schedule, start, before, held_entries(cache)))
 
     monkeypatch.setattr(EvictionCache, "compress_turn", watched)
-    built = make_policy(policy, 0.5)
+    built = make_policy(policy, 0.5, **({"heads": "layer"} if policy == "tova" else {}))
     for schedule in ("new_turn", "nested"):
         cells = [Cell(built, "turns")]
         answer(model, tokenizer, cells, [document(2, turns=4)], settings(history, schedule))

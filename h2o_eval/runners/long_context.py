@@ -171,6 +171,20 @@ def _row(task, prompt: Prompt, k: int, generated: dict[str, Any], tokenizer: Any
     }
 
 
+def turn_scores(rows: list[dict[str, Any]], metric: str) -> dict[str, float]:
+    """``protocol=turns``: each row scored per turn as well (``<metric>_turn<k>``: its score at its own turn, None at
+    the others, where it does not apply), and the record's metrics per turn: the mean and count of each."""
+    count = max(row["turn"] for row in rows)
+    found = {}
+    for k in range(1, count + 1):
+        name = f"{metric}_turn{k}"
+        for row in rows:
+            row["scores"][name] = row["scores"][metric] if row["turn"] == k else None
+        scored = [row["scores"][name] for row in rows if row["turn"] == k]
+        found |= {name: sum(scored) / max(len(scored), 1), f"{name}_n": len(scored)}
+    return found
+
+
 class LongContextRunner(Runner):
     """RULER's tasks, answered greedily through an EvictionCache and scored with RULER's metric."""
 
@@ -269,7 +283,8 @@ class LongContextRunner(Runner):
             n = max(len(rows), 1)
             metric = task["metric"]
             fields = {
-                "metrics": {metric: sum(o["scores"][metric] for o in rows) / n},
+                "metrics": {metric: sum(o["scores"][metric] for o in rows) / n}
+                | (turn_scores(rows, metric) if turns else {}),
                 "n_samples": len(rows),
                 "n_questions": len(rows),
                 "n_documents": len({o["document"] for o in rows}),
