@@ -12,6 +12,7 @@ from h2o_eval.cache import EvictionCache
 from h2o_eval.errors import ConfigError
 from h2o_eval.generation import Cell, Document, Settings, Turns, answer, answering, passes
 from h2o_eval.run import check_turns
+from h2o_eval.runners import long_context
 
 NEW = 6
 
@@ -198,3 +199,26 @@ def test_integer_budgets_are_refused_for_turn_compressions():
     with pytest.raises(ConfigError, match="use a fractional budget"):
         check_turns(config(schedule="nested"), make_policy("h2o", 64), "long_context")
     check_turns(config(), make_policy("h2o", 64), "long_context")  # once compresses the context alone
+
+
+def test_scbench_rows_become_the_conversation_its_chat_template_renders(tiny):
+    _, tokenizer = tiny
+    row = {
+        "id": 0,
+        "context": "The key 8f2a holds the value 1234. The key 77c0 holds 9876.",
+        "multi_turns": [
+            {"input": "What does 8f2a hold?", "answer": "1234"},
+            {"input": "And 77c0?", "answer": ["9876"]},
+        ],
+    }
+    doc = long_context.scbench_conversation(tokenizer, row)
+    messages = [
+        {"role": "user", "content": row["context"] + "\n\n" + "What does 8f2a hold?"},
+        {"role": "assistant", "content": "1234"},
+        {"role": "user", "content": "And 77c0?"},
+        {"role": "assistant", "content": "9876"},
+    ]
+    pieces = doc.context + doc.questions[0] + doc.answers[0] + doc.questions[1] + doc.answers[1]
+    assert tokenizer.chat_template
+    assert tokenizer.decode(pieces) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert tokenizer.decode(doc.end) == tokenizer.decode(doc.answers[1]).removeprefix("9876")

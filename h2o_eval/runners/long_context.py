@@ -86,11 +86,10 @@ def turn_template(tokenizer: Any) -> tuple[str, str]:
     return end, between[len(end) :]
 
 
-def conversation(tokenizer: Any, prompt: Prompt, task: Mapping[str, Any]) -> Document:
+def conversation(tokenizer: Any, prompt: Prompt, golds: Sequence[str]) -> Document:
     """A wrapped document as the turns of one conversation (``protocol=turns``): the first question as
-    :func:`wrap` puts it, each later one in a user turn of its own, each gold answer (every reference joined by
-    ", " for ``string_match_all``, the first for ``string_match_part``) after its answer prefix, closing the
-    assistant turn."""
+    :func:`wrap` puts it, each later one in a user turn of its own, each of ``golds`` (a turn's gold answer as it
+    follows the answer prefix) closing its assistant turn."""
     from h2o_eval.generation import Document
 
     end, opening = turn_template(tokenizer)
@@ -98,13 +97,28 @@ def conversation(tokenizer: Any, prompt: Prompt, task: Mapping[str, Any]) -> Doc
     questions = prompt.document["questions"]
     encode = functools.partial(tokenizer.encode, add_special_tokens=False)
     later = [encode(opening + q["question"] + suffix + q["answer_prefix"]) for q in questions[1:]]
-    join = ", ".join if task["metric"] == "string_match_all" else (lambda outputs: outputs[0])
     return Document(
-        prompt.context_ids,
-        [prompt.question_ids[0], *later],
-        [encode(" " + join(q["outputs"]) + end) for q in questions],
-        encode(end),
+        prompt.context_ids, [prompt.question_ids[0], *later], [encode(gold + end) for gold in golds], encode(end)
     )
+
+
+def ruler_golds(task: Mapping[str, Any], prompt: Prompt) -> list[str]:
+    """Each question's gold answer after its answer prefix: every reference joined by ", " for
+    ``string_match_all``, the first for ``string_match_part``."""
+    join = ", ".join if task["metric"] == "string_match_all" else (lambda outputs: outputs[0])
+    return [" " + join(q["outputs"]) for q in prompt.document["questions"]]
+
+
+def scbench_conversation(tokenizer: Any, row: Mapping[str, Any]) -> Document:
+    """A row of SCBench's data (``{"context", "multi_turns": [{"input", "answer"}, ...]}``, its files on the hub) as
+    a conversation: the context, a blank line and the first input in the first user turn (SCBench's templates put
+    them so), each later input in a user turn of its own, no answer prefix, each answer the gold one (the first of
+    a list)."""
+    turns = row["multi_turns"]
+    asked = ["\n\n" + turns[0]["input"], *(t["input"] for t in turns[1:])]
+    document = {"context": row["context"], "questions": [{"question": q, "answer_prefix": ""} for q in asked]}
+    golds = [t["answer"][0] if isinstance(t["answer"], list) else str(t["answer"]) for t in turns]
+    return conversation(tokenizer, wrap(tokenizer, document), golds)
 
 
 def _question_suffix(tokenizer: Any) -> str:
@@ -264,7 +278,7 @@ class LongContextRunner(Runner):
             turns=generation.Turns(**config["turns"]) if config["protocol"] == "turns" else generation.Turns(),
         )
         if config["protocol"] == "turns":  # a grid's group is all turns, or none (grid.groups)
-            documents = [conversation(tokenizer, item, task) for item in items]
+            documents = [conversation(tokenizer, item, ruler_golds(task, item)) for item in items]
         else:
             documents = [generation.Document(item.context_ids, item.question_ids) for item in items]
         answered = generation.answer(
