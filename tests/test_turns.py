@@ -3,15 +3,18 @@ independent paths: one plain forward over the conversation, the multi-request pr
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from conftest import make_config
 from transformers import DynamicCache
 
-from h2o_eval import load_model, make_policy
+from h2o_eval import load_model, make_policy, plot
 from h2o_eval.cache import EvictionCache
 from h2o_eval.errors import ConfigError
 from h2o_eval.generation import Cell, Document, Settings, Turns, answer, answering, passes
-from h2o_eval.run import check_turns
+from h2o_eval.run import check_turns, run
 from h2o_eval.runners import long_context
 
 NEW = 6
@@ -222,3 +225,34 @@ def test_scbench_rows_become_the_conversation_its_chat_template_renders(tiny):
     assert tokenizer.chat_template
     assert tokenizer.decode(pieces) == tokenizer.apply_chat_template(messages, tokenize=False)
     assert tokenizer.decode(doc.end) == tokenizer.decode(doc.answers[1]).removeprefix("9876")
+
+
+def test_records_score_each_turn_and_plot_by_turn_reads_them(tmp_path, data_dir):
+    settings_ = {"task.length": 700, "task.max_new_tokens": 4, "task.questions": 3, "protocol": "turns"}
+    records = []
+    for policy, budget, schedule in [("full", 1.0, "nested"), ("h2o", 0.5, "nested"), ("h2o", 0.5, "new_turn")]:
+        config = make_config(
+            data_dir, tmp_path, model="tiny-llama", task="niah_single_1", limit=2, policy=policy, budget=budget,
+            decoding="grow", **settings_, **{"turns.schedule": schedule},
+        )  # fmt: skip
+        records.append(run(config))
+    record = records[1]
+    assert "turns-gold-nested-grow" in next(tmp_path.glob("*h2o*nested*.json")).name
+    rows = [json.loads(line) for line in (tmp_path / record["outputs"]).read_text().splitlines()]
+    assert [row["turn"] for row in rows] == [1, 2, 3, 1, 2, 3]
+    for k in (1, 2, 3):
+        scored = [row["scores"]["string_match_all"] for row in rows if row["turn"] == k]
+        assert record["metrics"][f"string_match_all_turn{k}"] == pytest.approx(sum(scored) / 2)
+        assert record["metrics"][f"string_match_all_turn{k}_n"] == 2
+        assert all(row["scores"][f"string_match_all_turn{k}"] is None for row in rows if row["turn"] != k)
+    plot.main([str(tmp_path), "--by", "turn", "--out", str(tmp_path / "plots")])
+    table = (tmp_path / "plots" / "turns.md").read_text()
+    for history, schedule, policy in [
+        ("gold", "nested", "full"),
+        ("gold", "nested", "h2o"),
+        ("gold", "new_turn", "h2o"),
+    ]:
+        assert f"| {history} | {schedule} | {policy} |" in table
+    assert (tmp_path / "plots" / "turns.png").stat().st_size > 0
+    paired = (tmp_path / "plots" / "paired_turn2.md").read_text()
+    assert "h2o" in paired
