@@ -176,6 +176,23 @@ def test_cells_that_share_the_context_pass_answer_as_alone(tiny):
         assert [g["tokens"] for *_, g in shared.rows] == [g["tokens"] for *_, g in alone.rows]
 
 
+@pytest.mark.parametrize("schedule", ["once", "nested", "new_turn"])
+def test_stacked_cells_answer_each_turn_as_alone(tiny, schedule):
+    model, tokenizer = tiny
+    docs = [document(6), document(7, turns=4)]
+    cells = [
+        Cell(make_policy(name, budget), "turns") for name, budget in [("full", 1.0), ("h2o", 0.5), ("knorm", 0.25)]
+    ]
+    if schedule == "once":
+        cells.append(Cell(make_policy("oracle", 0.5), "turns"))
+    stacked = Settings(max_new_tokens=NEW, batch_size=1, decoding="grow", stack=True, turns=Turns("gold", schedule))
+    together = answer(model, tokenizer, cells, docs, stacked)
+    for cell, shared in zip(cells, together, strict=True):
+        alone = answer(model, tokenizer, [cell], docs, settings("gold", schedule))[0]
+        assert [(d, k, g["tokens"]) for d, k, g in shared.rows] == [(d, k, g["tokens"]) for d, k, g in alone.rows]
+        assert [g["evicted_tokens"] for *_, g in shared.rows] == [g["evicted_tokens"] for *_, g in alone.rows]
+
+
 def config(**turns) -> dict:
     return {"turns": {"history": "gold", "schedule": "once"} | turns, "task": {"questions": 4}}
 

@@ -370,7 +370,9 @@ class _Answering:
 
     def conversations(self, members: list[int]) -> None:
         """``protocol=turns``: one document at a time, its context is fed (once for every cell) and compressed as
-        under ``context``; then each cell holds one conversation in its cache, turn after turn (:meth:`_converse`)."""
+        under ``context``; then each cell holds one conversation in its cache, turn after turn (:meth:`_converse`),
+        or, with ``stack`` under ``gold``, the cells' turns are answered together (:meth:`_converse_together`). The
+        model's own answers make each cell's conversation its own, so under ``own`` each cell answers alone."""
         for start in self._starts("turns", len(self.documents), 1):
             document = self.documents[start]
             self.progress.phase(f"document {start + 1}: context")
@@ -387,16 +389,21 @@ class _Answering:
             cpu = {i: shared(prompt, len(members)) for i in members}
             settled = self._settle(caches, ids, mask, cpu)
             self.progress.phase(f"document {start + 1}: {len(document.questions)} turns")
+            spent = {}
             for i in members:
-                began, cache = time.perf_counter(), caches.pop(i)
-                if cache.deferred:  # the oracle: its context compressed for the first question
+                began = time.perf_counter()
+                if caches[i].deferred:  # the oracle: its context compressed for the first question
                     with cpu_into(cpu[i], "scoring"):
                         settle(
-                            self.model, cache, self.tokenizer, ids, mask, [document.questions[0]],
+                            self.model, caches[i], self.tokenizer, ids, mask, [document.questions[0]],
                             answered=self.answered, **self.greedy,
                         )  # fmt: skip
-                spent = share + settled[i] + time.perf_counter() - began
-                self._converse(i, cache, start, spent, cpu[i])
+                spent[i] = share + settled[i] + time.perf_counter() - began
+            if self.settings.stack and len(members) > 1 and self.settings.turns.history == "gold":
+                self._converse_together(caches, start, spent, cpu)
+            for i in members:
+                if i in caches:
+                    self._converse(i, caches.pop(i), start, spent[i], cpu[i])
 
     def _converse(self, i: int, cache: EvictionCache, d: int, seconds: float, cpu: dict) -> None:
         """Cell ``i``'s conversation over document ``d`` in ``cache`` (its context compressed), one row per turn.
@@ -432,6 +439,34 @@ class _Answering:
                 generated = sequences[0].tolist()
                 last, fed = generated[-1], generated[:-1]
                 history = [last] + (document.end[1:] if document.end[:1] == [last] else document.end)
+
+    def _converse_together(self, caches: dict[int, EvictionCache], d: int, seconds: dict, cpu: dict) -> None:
+        """``stack`` under ``gold``: the cells' conversations over document ``d`` turn by turn together. Their
+        histories are the same tokens, so at each turn every cell's cache takes the history (and its compression)
+        on its own, and a copy of each answers the question in one batch, the copies stacked
+        (:meth:`_decode_stacked`, under ``decoding=grow``). ``caches`` is emptied."""
+        document, turns = self.documents[d], self.settings.turns
+        fed, history = list(document.context), []
+        for k, question in enumerate(document.questions):
+            for i, cache in caches.items():
+                began = time.perf_counter()
+                if history:
+                    with cpu_into(cpu[i], "prompt"):
+                        extend(self.model, cache, fed, history)
+                    if turns.schedule != "once":
+                        with cpu_into(cpu[i], "scoring"):
+                            cache.compress_turn(turns.schedule)
+                if turns.schedule != "once" and k < len(document.questions) - 1:
+                    cache.begin_turn()
+                seconds[i] += time.perf_counter() - began
+            fed += history
+            ids = torch.tensor([fed + question], device=self.device)
+            batch = Batch(ids, torch.ones_like(ids), len(fed))
+            self._decode_stacked(
+                [cache.fork([0]) for cache in caches.values()], list(caches), batch, [(d, k)], seconds, cpu
+            )
+            history = question + document.answers[k]
+        caches.clear()
 
     def prompts(self, members: list[int], protocol: str) -> None:
         """``prefill`` and ``simulate``: every (document, question) is a prompt of its own, compressed alone; under
