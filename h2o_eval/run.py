@@ -71,13 +71,12 @@ def validate(config: dict[str, Any]) -> Spec:
     num_fewshot = runner.default_fewshot(task) if config["num_fewshot"] is None else config["num_fewshot"]
     stack = config["stack_cells"]
     protocol = config["protocol"] or runner.default_protocol(task)
-    turns = protocol == "turns" and (config.get("turns") or {}).get("history") == "gold"
     if stack and (
-        runner.name != "long_context" or not (protocol == "context" or turns) or config["decoding"] != "grow"
+        runner.name != "long_context" or protocol not in ("context", "turns") or config["decoding"] != "grow"
     ):
         raise ConfigError(
-            "stack_cells=true answers the cells of a RULER-style task together under protocol=context, or turns with "
-            "turns.history=gold, and decoding=grow only: set those, or stack_cells=false"
+            "stack_cells=true answers the cells of a RULER-style task together under protocol=context or turns, "
+            "decoding=grow only: set those, or stack_cells=false"
         )
     threads = default_threads(None) if config["threads"] is None else config["threads"]
     if (reason := runner.refusal(task, policy)) is not None:

@@ -162,7 +162,10 @@ def test_only_compressed_caches_that_evict_nothing_more_and_saw_the_same_tokens_
         EvictionCache.stack([fed("grow", ids), fed("grow", ids[:, :30])])
 
 
-def test_stacking_cells_needs_the_context_protocol_and_grow(data_dir, tmp_path):
-    config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", stack_cells=True)
-    with pytest.raises(ConfigError, match="stack_cells=true .* protocol=context decoding=grow only"):
+@pytest.mark.parametrize(
+    "settings", [{}, {"protocol": "prefill", "decoding": "grow"}, {"protocol": "turns", "task.questions": 2}]
+)
+def test_stacking_cells_needs_the_context_or_turns_protocol_and_grow(data_dir, tmp_path, settings):
+    config = make_config(data_dir, tmp_path, model="tiny-llama", task="niah_single_1", stack_cells=True, **settings)
+    with pytest.raises(ConfigError, match="stack_cells=true .* protocol=context or turns, decoding=grow only"):
         validate(config)

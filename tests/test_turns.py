@@ -14,7 +14,9 @@ from h2o_eval import load_model, make_policy, plot
 from h2o_eval.cache import EvictionCache
 from h2o_eval.errors import ConfigError
 from h2o_eval.generation import Cell, Document, Settings, Turns, answer, answering, passes
-from h2o_eval.run import check_turns, run
+from h2o_eval.grid import compose, preset_sweep
+from h2o_eval.names import expand
+from h2o_eval.run import check_turns, run, validate
 from h2o_eval.runners import long_context
 
 NEW = 6
@@ -273,3 +275,14 @@ def test_records_score_each_turn_and_plot_by_turn_reads_them(tmp_path, data_dir)
     assert (tmp_path / "plots" / "turns.png").stat().st_size > 0
     paired = (tmp_path / "plots" / "paired_turn2.md").read_text()
     assert "h2o" in paired
+
+
+def test_every_cell_of_the_preset_is_valid(data_dir, tmp_path):
+    overrides = ["+experiment=kv_multiturn", "model=smollm2-135m", "task=niah_single_2", f"data_dir={data_dir}"]
+    cells = expand(preset_sweep([*overrides, f"results_dir={tmp_path}"]))
+    specs = [validate(compose(cell)) for cell in cells]
+    assert len(specs) == 13 * 2 * 2 * 2
+    assert {(s.config["turns"]["history"], s.config["turns"]["schedule"]) for s in specs} == {
+        (history, schedule) for history in ("gold", "own") for schedule in ("nested", "new_turn")
+    }
+    assert all(s.config["stack_cells"] and s.config["protocol"] == "turns" for s in specs)
