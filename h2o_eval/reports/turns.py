@@ -64,7 +64,7 @@ def turns_markdown(found: dict[tuple, dict[int, stats.Estimate]]) -> str:
         count = max(max(turns) for turns in group.values())
         header = ["history", "schedule", "policy", "ratio"] + [f"turn {k}" for k in range(1, count + 1)]
         lines = [
-            f"## {model}, {length} tokens",
+            "Each turn (x100, mean over tasks, 95 % interval resampling documents within each task):",
             "",
             _row(header + ["last - first"]),
             _row(["---"] * 4 + ["---:"] * (count + 1)),
@@ -77,8 +77,29 @@ def turns_markdown(found: dict[tuple, dict[int, stats.Estimate]]) -> str:
             ]
             change = turns[max(turns)].value - turns[min(turns)].value
             lines.append(_row([key[2], key[3], key[4], _ratio(key[5]), *cells, f"{change:+.1f}"]))
-        parts += ["\n".join(lines), "", _rankings(group), ""]
+        parts += [f"## {model}, {length} tokens", "", _summary(group), "", _rankings(group), "", "\n".join(lines), ""]
     return "\n".join(parts)
+
+
+def _summary(group: dict[tuple, dict[int, stats.Estimate]]) -> str:
+    """The first turn, and the mean of the turns after it, per policy and ratio (rows) under each history and
+    schedule (columns)."""
+    conditions = sorted({key[2:4] for key in group}, key=lambda c: (c[0], c[1] == "once", c[1]))
+    rows = sorted({key[4:6] for key in group}, key=lambda r: (r[0] not in LINES, r[0], -r[1]))
+    lines = [
+        "Turn 1, and the mean of turns 2 and later (x100), per history/schedule:",
+        "",
+        _row(["policy", "ratio", *(f"{h}/{s}" for h, s in conditions)]),
+        _row(["---", "---", *["---:"] * len(conditions)]),
+    ]
+    for policy, budget in rows:
+        cells = []
+        for history, schedule in conditions:
+            turns = group.get((*next(iter(group))[:2], history, schedule, policy, budget))
+            later = [t.value for k, t in (turns or {}).items() if k > 1]
+            cells.append(f"{turns[1].value:.1f}, {sum(later) / len(later):.1f}" if turns and later else "")
+        lines.append(_row([policy, _ratio(budget), *cells]))
+    return "\n".join(lines)
 
 
 def _rankings(group: dict[tuple, dict[int, stats.Estimate]]) -> str:
