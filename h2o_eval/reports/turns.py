@@ -12,6 +12,7 @@ the full cache of its history at turn ``k``, question by question (:mod:`~h2o_ev
 from __future__ import annotations
 
 import itertools
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -33,16 +34,39 @@ def turn_metrics(records: list[dict[str, Any]]) -> list[str]:
     return sorted(found, key=lambda name: (name.rsplit("_turn", 1)[0], int(name.rsplit("_turn", 1)[1])))
 
 
+def policy_labels(records: list[dict[str, Any]]) -> dict[str, str]:
+    """Each built policy's label (by its parameters as JSON): its name, and its parameters that depart from its YAML's
+    only where the records hold two settings of that name (budgets aside)."""
+    built = {json.dumps(r["policy_params"], sort_keys=True): r for r in records}
+    departing = {key: settings.policy_departures(record["policy_params"]) for key, record in built.items()}
+    kinds: dict[str, set[str]] = {}
+    for key, parameters in departing.items():
+        kinds.setdefault(built[key]["policy"], set()).add(json.dumps(parameters, sort_keys=True))
+    return {
+        key: " ".join([name, *(settings.label(k, v) for k, v in departing[key].items())])
+        if len(kinds[built[key]["policy"]]) > 1
+        else name
+        for key in built
+        for name in [_name(built[key])]
+    }
+
+
+def _name(record: dict[str, Any]) -> str:
+    """A policy's name, a wrapper's with its base's: ``adakv(expected_attention)``."""
+    base = record["policy_params"].get("base")
+    return record["policy"] + (f"({base['name']})" if isinstance(base, dict) else "")
+
+
 def by_turn(records: list[dict[str, Any]], results_dir: Path) -> dict[tuple, dict[int, stats.Estimate]]:
     """Per setting (model, length, history, schedule, policy with its parameters, budget) the mean over tasks at
     each turn, x100. The newest record of a task and setting counts."""
     scores: dict[tuple, dict[int, dict[str, tuple]]] = {}
+    labels = policy_labels(records)
     for record in sorted(records, key=lambda r: r["created"]):
         if record["protocol"] != "turns":
             continue
         metric, turns = stats.primary_metric(record), record["config"]["turns"]
-        parameters = settings.policy_departures(record["policy_params"])
-        policy = " ".join([record["policy"], *(settings.label(k, v) for k, v in parameters.items())])
+        policy = labels[json.dumps(record["policy_params"], sort_keys=True)]
         key = (record["model"], record["length"], turns["history"], turns["schedule"], policy, record["budget"])
         for name in record["metrics"]:
             if found := re.fullmatch(rf"{metric}_turn(\d+)", name):
@@ -205,10 +229,11 @@ def write_by_turn(
         plt.close(figure)
         files.append(path)
     turns = [r for r in records if r["protocol"] == "turns"]
-    for metric in metrics:
-        compared = paired_rows(table(turns, metric), results_dir, against)
+    for k in sorted({int(metric.rsplit("_turn", 1)[1]) for metric in metrics}):  # a task's own metric at turn k
+        rows = [row for metric in metrics if metric.endswith(f"_turn{k}") for row in table(turns, metric)]
+        compared = paired_rows(rows, results_dir, against)
         if compared:
-            path = out / f"paired_turn{metric.rsplit('_turn', 1)[1]}.md"
+            path = out / f"paired_turn{k}.md"
             path.write_text(paired_markdown(compared))
             files.append(path)
     return files, text
