@@ -14,7 +14,7 @@
 #   once   the full cache and the oracle under turns.schedule=once (the context compressed for the first question,
 #          never again), the board's lines
 #   pack   the records packed into RECORDS/records.jsonl.gz (python -m h2o_eval.results pack), as committed
-#   tables results/multiturn/turns.md and turns.png, the paired tests at each turn, PROVENANCE.md from the records
+#   tables results/multiturn/turns.md and turns.pdf, paired_turns.md (the paired tests at each turn), PROVENANCE.md
 set -euo pipefail
 data=${1:-../shared/data}
 out=${2:-results/multiturn/records}

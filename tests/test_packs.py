@@ -127,7 +127,7 @@ def test_what_cannot_be_packed_is_refused_in_one_line_and_nothing_is_removed(tmp
 
 def test_the_committed_boards_are_packed_and_the_checkout_is_code():
     """Every committed record is in its board's pack (no loose record or outputs file is tracked), and the tracked
-    working tree is at most 25 MB."""
+    working tree is at most 25.5 MB (25 before the multi-turn board's 0.2 MB)."""
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
     files = [name for name in tracked.stdout.split("\0") if name]
     loose = [
@@ -140,4 +140,4 @@ def test_the_committed_boards_are_packed_and_the_checkout_is_code():
         with gzip.open(REPO / name, "rt") as handle:
             assert all(results.checked(json.loads(line), name) for line in handle)
     size = sum((REPO / name).stat().st_size for name in files if (REPO / name).is_file())
-    assert size <= 25e6, f"the tracked tree is {size / 1e6:.1f} MB"
+    assert size <= 25.5e6, f"the tracked tree is {size / 1e6:.1f} MB"

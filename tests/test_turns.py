@@ -272,9 +272,10 @@ def test_records_score_each_turn_and_plot_by_turn_reads_them(tmp_path, data_dir)
         ("gold", "new_turn", "h2o"),
     ]:
         assert f"| {history} | {schedule} | {policy} |" in table
-    assert (tmp_path / "plots" / "turns.png").stat().st_size > 0
-    paired = (tmp_path / "plots" / "paired_turn2.md").read_text()
-    assert "h2o" in paired
+    assert (tmp_path / "plots" / "turns.pdf").stat().st_size > 0
+    paired = (tmp_path / "plots" / "paired_turns.md").read_text()
+    for turn in (1, 2, 3):
+        assert f"| {turn} | gold | nested | h2o | 0.5 | 1 | 2 |" in paired
 
 
 def test_every_cell_of_the_preset_is_valid(data_dir, tmp_path):

@@ -5,9 +5,10 @@ Each record scores every question at its turn as well (``<metric>_turn<k>``, the
 ``turns.md`` gives the mean over tasks at each turn (x100, with the interval that resamples documents within each
 task) and the last turn less the first; then, per budget, whether the schedule or the history changes the
 ranking of the policies that ran under every one (Kendall's tau over their mean on the turns after the first).
-``turns.png`` draws them, a panel per history, schedule and budget, the full cache and the oracle (under
-``once``, which compresses the context alone) as dashed lines. ``paired_turn<k>.md`` compares each setting with
-the full cache of its history at turn ``k``, question by question (:mod:`~h2o_eval.reports.paired`)."""
+``turns.pdf`` draws them, a panel per history, schedule and budget, the full cache and the oracle (under
+``once``, which compresses the context alone) as dashed lines. ``paired_turns.md`` compares each setting with the
+full cache of its history at each turn, question by question (:mod:`~h2o_eval.reports.paired`): its mean over the
+tasks where it ran on several, else each task's."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval import settings, stats
-from h2o_eval.reports.paired import paired_markdown, paired_rows
-from h2o_eval.reports.tables import percent, table
+from h2o_eval.reports.tables import percent
 
 LINES = ("full", "oracle")  # drawn dashed in every panel of their history
 
@@ -207,11 +207,63 @@ def turns_figure(found: dict[tuple, dict[int, stats.Estimate]], model: str, leng
     return figure
 
 
+def paired_markdown_by_turn(records: list[dict[str, Any]], results_dir: Path, against: str = "full") -> str:
+    """``paired_turns.md``: at each turn, each setting against ``against`` of the same model, length, history and
+    schedule (of ``once`` where its schedule has none), question by question: the mean over their tasks of the
+    difference (x100), its document-bootstrap interval, and the sign-flip test's p (:func:`~h2o_eval.stats.paired_mean`;
+    each task on its own metric)."""
+    labels = policy_labels(records)
+    scores: dict[tuple, dict[int, dict[str, dict]]] = {}
+    for record in sorted(records, key=lambda r: r["created"]):
+        if record["protocol"] != "turns":
+            continue
+        metric, turns = stats.primary_metric(record), record["config"]["turns"]
+        policy = labels[json.dumps(record["policy_params"], sort_keys=True)]
+        key = (record["model"], record["length"], turns["history"], turns["schedule"], policy, record["budget"])
+        for name in record["metrics"]:
+            if found := re.fullmatch(rf"{metric}_turn(\d+)", name):
+                asked = stats.question_scores(record, results_dir, name)
+                scores.setdefault(key, {}).setdefault(int(found.group(1)), {})[record["task"]] = asked
+    lines = []
+    for key in sorted(scores, key=_order):
+        model, length, history, schedule, policy, budget = key
+        if policy == against:
+            continue
+        base = scores.get((model, length, history, schedule, against, 1.0)) or scores.get(
+            (model, length, history, "once", against, 1.0)
+        )
+        for k, tasks in sorted(scores[key].items()):
+            pairs = [stats.align(own, base[k][task]) for task, own in tasks.items() if base and task in base.get(k, {})]
+            if not pairs or any(pair is None for pair in pairs):
+                continue
+            found = stats.paired_mean(pairs)
+            verdict = " *" if found.significant else ""
+            lines.append(
+                _row([str(k), history, schedule, policy, _ratio(budget), str(len(pairs)), str(found.n),
+                      f"{100 * found.difference:+.1f} [{100 * found.low:+.1f}, {100 * found.high:+.1f}]",
+                      f"{found.test.p:.2g}{verdict}"])
+            )  # fmt: skip
+    if not lines:
+        return ""
+    header = ["turn", "history", "schedule", "policy", "ratio", "tasks", "questions", f"policy - {against} x100", "p"]
+    intro = (
+        f"Paired against {against} of the same history and schedule, question by question, at each turn: the mean over "
+        "tasks of the difference with its 95 % document-bootstrap interval, and the sign-flip permutation test's p "
+        f"(documents' questions flipped together; * p < {stats.ALPHA}), as `paired_full.md` elsewhere."
+    )
+    return (
+        "\n".join(
+            [intro, "", _row(header), _row(["---:", "---", "---", "---", "---", "---:", "---:", "---", "---:"]), *lines]
+        )
+        + "\n"
+    )
+
+
 def write_by_turn(
     records: list[dict[str, Any]], results_dir: Path, out: Path, against: str = "full"
 ) -> tuple[list[Path], str]:
-    """``plot --by turn``: ``turns.md``, ``turns.png`` per model and length, and ``paired_turn<k>.md`` per turn
-    (see the module). ValueError when no record is of ``protocol=turns``."""
+    """``plot --by turn``: ``turns.md``, ``turns.pdf`` per model and length, and ``paired_turns.md`` (see the
+    module). ValueError when no record is of ``protocol=turns``."""
     import matplotlib.pyplot as plt
 
     metrics = turn_metrics(records)
@@ -224,18 +276,14 @@ def write_by_turn(
     files[0].write_text(text)
     for model, length in sorted({key[:2] for key in found}):
         figure = turns_figure(found, model, length)
-        path = out / (f"turns_{model}_{length}.png" if len({key[:2] for key in found}) > 1 else "turns.png")
-        figure.savefig(path, dpi=110, bbox_inches="tight")
+        path = out / (f"turns_{model}_{length}.pdf" if len({key[:2] for key in found}) > 1 else "turns.pdf")
+        figure.savefig(path, bbox_inches="tight")
         plt.close(figure)
         files.append(path)
-    turns = [r for r in records if r["protocol"] == "turns"]
-    for k in sorted({int(metric.rsplit("_turn", 1)[1]) for metric in metrics}):  # a task's own metric at turn k
-        rows = [row for metric in metrics if metric.endswith(f"_turn{k}") for row in table(turns, metric)]
-        compared = paired_rows(rows, results_dir, against)
-        if compared:
-            path = out / f"paired_turn{k}.md"
-            path.write_text(paired_markdown(compared))
-            files.append(path)
+    paired = paired_markdown_by_turn(records, results_dir, against)
+    if paired:
+        files.append(out / "paired_turns.md")
+        files[-1].write_text(paired)
     return files, text
 
 
