@@ -57,10 +57,11 @@ def _name(record: dict[str, Any]) -> str:
     return record["policy"] + (f"({base['name']})" if isinstance(base, dict) else "")
 
 
-def by_turn(records: list[dict[str, Any]], results_dir: Path) -> dict[tuple, dict[int, stats.Estimate]]:
-    """Per setting (model, length, history, schedule, policy with its parameters, budget) the mean over tasks at
-    each turn, x100. The newest record of a task and setting counts."""
-    scores: dict[tuple, dict[int, dict[str, tuple]]] = {}
+def question_scores_by_turn(records: list[dict[str, Any]], results_dir: Path) -> dict[tuple, dict[int, dict]]:
+    """Per setting (model, length, history, schedule, policy with its parameters, budget), turn and task, its
+    per-question scores at that turn (:func:`~h2o_eval.stats.question_scores`, each task on its own metric). The
+    newest record of a task and setting counts."""
+    scores: dict[tuple, dict[int, dict[str, dict]]] = {}
     labels = policy_labels(records)
     for record in sorted(records, key=lambda r: r["created"]):
         if record["protocol"] != "turns":
@@ -71,13 +72,25 @@ def by_turn(records: list[dict[str, Any]], results_dir: Path) -> dict[tuple, dic
         for name in record["metrics"]:
             if found := re.fullmatch(rf"{metric}_turn(\d+)", name):
                 asked = stats.question_scores(record, results_dir, name)
-                documents = [document for document, _ in asked.values()]
-                task = scores.setdefault(key, {}).setdefault(int(found.group(1)), {})
-                task[record["task"]] = ([100 * value for _, value in asked.values()], documents)
+                scores.setdefault(key, {}).setdefault(int(found.group(1)), {})[record["task"]] = asked
+    return scores
+
+
+def by_turn(records: list[dict[str, Any]], results_dir: Path) -> dict[tuple, dict[int, stats.Estimate]]:
+    """Per setting (as :func:`question_scores_by_turn`) the mean over tasks at each turn, x100."""
+
+    def estimate(tasks: dict[str, dict]) -> stats.Estimate:
+        return stats.mean_over_tasks(
+            [
+                ([100 * value for _, value in asked.values()], [doc for doc, _ in asked.values()])
+                for asked in tasks.values()
+            ]
+        )
+
     return {
-        key: {k: stats.mean_over_tasks(list(tasks.values())) for k, tasks in sorted(turns.items())}
-        for key, turns in scores.items()
-        if all(tasks and all(values for values, _ in tasks.values()) for tasks in turns.values())
+        key: {k: estimate(tasks) for k, tasks in sorted(turns.items())}
+        for key, turns in question_scores_by_turn(records, results_dir).items()
+        if all(tasks and all(tasks.values()) for tasks in turns.values())
     }
 
 
@@ -212,18 +225,7 @@ def paired_markdown_by_turn(records: list[dict[str, Any]], results_dir: Path, ag
     schedule (of ``once`` where its schedule has none), question by question: the mean over their tasks of the
     difference (x100), its document-bootstrap interval, and the sign-flip test's p (:func:`~h2o_eval.stats.paired_mean`;
     each task on its own metric)."""
-    labels = policy_labels(records)
-    scores: dict[tuple, dict[int, dict[str, dict]]] = {}
-    for record in sorted(records, key=lambda r: r["created"]):
-        if record["protocol"] != "turns":
-            continue
-        metric, turns = stats.primary_metric(record), record["config"]["turns"]
-        policy = labels[json.dumps(record["policy_params"], sort_keys=True)]
-        key = (record["model"], record["length"], turns["history"], turns["schedule"], policy, record["budget"])
-        for name in record["metrics"]:
-            if found := re.fullmatch(rf"{metric}_turn(\d+)", name):
-                asked = stats.question_scores(record, results_dir, name)
-                scores.setdefault(key, {}).setdefault(int(found.group(1)), {})[record["task"]] = asked
+    scores = question_scores_by_turn(records, results_dir)
     lines = []
     for key in sorted(scores, key=_order):
         model, length, history, schedule, policy, budget = key
