@@ -175,6 +175,12 @@ def interval_scores(
     return votes if rule.combine == Combine.REPLACE else scores + votes
 
 
+def layer_heads(policy: Policy, scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` [B, Hkv, S] as ``policy``'s rule keeps them: under ``heads=layer`` (TOVA) the KV heads of a layer,
+    which hold the same tokens in the same slots, all take the layer's sum, so that they keep the same tokens."""
+    return scores.sum(1, keepdim=True).expand_as(scores) if policy.rule.heads == Heads.LAYER else scores
+
+
 def between(layer) -> bool:
     """Whether ``layer`` (an :class:`~h2o_eval.layer.EvictionLayer`) is compressed before its next forward under
     ``decoding=interval``, its host counts say (:meth:`~h2o_eval.layer.EvictionLayer.compress_held` then reads the
@@ -203,6 +209,7 @@ def compression(steps: Steps, context, layer: int, seen: int, slots: Slots) -> t
         scores = interval_scores(
             interval.policy, layer, slots.keys, held, position, now, steps, context.rotary, steps.scaling
         )
+    scores = layer_heads(interval.policy, scores)
 
     def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return interval.policy.rescore_held(pooled, protected, slots.values, held, capacity, steps.module)
@@ -237,8 +244,7 @@ def turn_compression(
         scores = held_scores(policy, layer, slots, target, steps, context.rotary)
     else:
         scores = interval_scores(policy, layer, slots.keys, held, position, now, steps, context.rotary, steps.scaling)
-    if policy.rule.heads == Heads.LAYER:  # the layer's KV heads hold the same tokens in the same slots (TOVA)
-        scores = scores.sum(1, keepdim=True).expand_as(scores)
+    scores = layer_heads(policy, scores)
 
     def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return policy.rescore_held(pooled, protected, slots.values, candidate, capacity, steps.module)

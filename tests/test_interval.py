@@ -446,3 +446,17 @@ def test_adakv_interval_compressions_equal_a_cache_that_masks_what_they_drop(tin
     ]
     assert held == ends
     assert len({len(head) for layer in held for head in layer}) > 1
+
+
+@torch.no_grad()
+def test_tova_over_the_layer_keeps_one_set_of_tokens_through_compressions_and_later_chunks(tiny):
+    model, _ = tiny
+    policy = make_policy("tova", 0.5, heads="layer")
+    cache = EvictionCache(model, policy, protocol="context", decoding="interval", interval=Interval(4, target_size=20))
+    ids = prompt_ids()
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0, cache=cache)
+    more = torch.cat([out, torch.randint(5, 250, (ids.shape[0], 8))], 1)  # a chunk after the compressions
+    model.generate(more, max_new_tokens=3, do_sample=False, pad_token_id=0, cache=cache)
+    for layer in cache.layers:
+        held = [sorted(layer.position[0, h][layer.held[0, h]].tolist()) for h in range(layer.held.shape[1])]
+        assert all(positions == held[0] for positions in held) and len(held[0]) < more.shape[1]
