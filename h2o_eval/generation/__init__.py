@@ -10,7 +10,8 @@ all contexts end in one column. Under the other protocols the prompt is whole (i
 - :mod:`~h2o_eval.generation.passes`: feeding a cache, and a policy's extra passes before its compression
   (:func:`settle`, and :func:`compress` for the Python API);
 - :mod:`~h2o_eval.generation.completion`: a batch through one cache (:func:`complete`, :func:`generate`);
-- :mod:`~h2o_eval.generation.answering`: documents' questions answered for several cells at once (:func:`answer`);
+- :mod:`~h2o_eval.generation.answering`: documents' questions answered for several cells at once (:func:`answer`),
+  each from its own copy of a compressed context or, under ``protocol=turns``, as the turns of one conversation;
 - :mod:`~h2o_eval.generation.log`: what a run generated, cost and held (:class:`GenerationLog`);
 - :mod:`~h2o_eval.generation.partial`: the answers so far, kept after every batch, that a stopped run resumes from.
 """

@@ -12,7 +12,10 @@ question and the cell's :class:`~h2o_eval.generation.log.GenerationLog`:
   (:meth:`~h2o_eval.cache.EvictionCache.fork`), so that no question sees another's tokens or answer, or, with
   ``stack``, from the copies of every cell stacked into one batch (:meth:`~h2o_eval.cache.EvictionCache.stack`);
 - under ``prefill`` and ``simulate`` each question is a prompt of its own (context + question); under ``prefill``
-  with several cells the prompt pass, and the first new token, which depends on it alone, are shared.
+  with several cells the prompt pass, and the first new token, which depends on it alone, are shared;
+- under ``turns`` one document at a time: its context is fed once for every cell and compressed as under
+  ``context``, then its questions are the turns of one conversation in each cell's cache (:class:`Turns`: what a turn
+  leaves, and when the cache is compressed again), stacked across cells under the gold history with ``stack``.
 
 A cell's time (wall and CPU, the latter by part) counts its share of a shared pass (and of a stacked decode).
 """
