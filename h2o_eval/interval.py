@@ -196,26 +196,9 @@ def compression(steps: Steps, context, layer: int, seen: int, slots: Slots) -> t
     its decoding policy's scores over everything it holds (``context``: the layer's
     :class:`~h2o_eval.context.LayerContext`): the slots then held and their scores."""
     interval = steps.interval
-    held, position = slots.held, slots.position
-    now = torch.where(held, position, -1).amax((1, 2))  # the newest token held is the newest fed
     plan = interval.layout(interval.policy, seen, layer, context.num_layers)
-    device = held.device
-    capacity = torch.full(held.shape[:2], plan.capacity, dtype=torch.int64, device=device)
-    recent = torch.full(now.shape, plan.recent, dtype=torch.int64, device=device)
-    sinks = torch.full(now.shape, plan.sinks, dtype=torch.int64, device=device)
-    if interval.policy.scores_held:
-        scores = held_scores(interval.policy, layer, slots, plan.capacity, steps, context.rotary)
-    else:
-        scores = interval_scores(
-            interval.policy, layer, slots.keys, held, position, now, steps, context.rotary, steps.scaling
-        )
-    scores = layer_heads(interval.policy, scores)
-
-    def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
-        return interval.policy.rescore_held(pooled, protected, slots.values, held, capacity, steps.module)
-
-    kept, scores, _ = compress(held, scores, position, capacity, recent, sinks, now, interval.policy.rule, rescore)
-    return kept, scores
+    capacity = torch.full(slots.held.shape[:2], plan.capacity, dtype=torch.int64, device=slots.held.device)
+    return _compressed(interval.policy, steps, context, layer, slots, slots.held, capacity, plan)
 
 
 def turn_compression(
@@ -230,18 +213,27 @@ def turn_compression(
     [B] on (its new-turn-only schedule); each KV head keeps the policy's capacity of its candidates' count
     (``policy.capacity``: the budget's fraction, rounded as the run says) and every token that is no candidate, with
     its score. Returns the slots then held and their scores."""
-    policy = context.policy
-    held, position = slots.held, slots.position
-    candidate = held if since is None else held & (position >= since.view(-1, 1, 1))
-    now = torch.where(held, position, -1).amax((1, 2))
+    policy, held = context.policy, slots.held
+    candidate = held if since is None else held & (slots.position >= since.view(-1, 1, 1))
     counts = candidate.sum(-1)
     capacity = counts.cpu().apply_(policy.capacity).to(counts.device).minimum(counts)  # reads the device, as a chunk
     target = max(1, int(capacity.max()))
     plan = Interval(target_size=target, policy=policy).layout(policy, target, layer, context.num_layers)
+    kept, found = _compressed(policy, steps, context, layer, slots, candidate, capacity, plan)
+    return (held & ~candidate) | kept, torch.where(candidate, found, slots.scores)
+
+
+def _compressed(policy: Policy, steps: Steps, context, layer: int, slots: Slots, candidate, capacity, plan):
+    """The ``candidate`` slots [B, Hkv, S] of ``slots`` compressed to ``capacity`` [B, Hkv] as a prompt is
+    (:func:`h2o_eval.compression.compress`), by ``policy``'s scores over everything held (its scores of what is held,
+    or :func:`interval_scores`; a layer's under ``heads=layer``), ``plan``'s recent window and sinks protected:
+    the candidates kept, and their scores."""
+    held, position = slots.held, slots.position
+    now = torch.where(held, position, -1).amax((1, 2))  # the newest token held is the newest fed
     recent = torch.full(now.shape, plan.recent, dtype=torch.int64, device=now.device)
     sinks = torch.full(now.shape, plan.sinks, dtype=torch.int64, device=now.device)
     if policy.scores_held:
-        scores = held_scores(policy, layer, slots, target, steps, context.rotary)
+        scores = held_scores(policy, layer, slots, max(1, int(capacity.max())), steps, context.rotary)
     else:
         scores = interval_scores(policy, layer, slots.keys, held, position, now, steps, context.rotary, steps.scaling)
     scores = layer_heads(policy, scores)
@@ -249,5 +241,5 @@ def turn_compression(
     def rescore(pooled: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
         return policy.rescore_held(pooled, protected, slots.values, candidate, capacity, steps.module)
 
-    kept, found, _ = compress(candidate, scores, position, capacity, recent, sinks, now, policy.rule, rescore)
-    return (held & ~candidate) | kept, torch.where(candidate, found, slots.scores)
+    kept, scores, _ = compress(candidate, scores, position, capacity, recent, sinks, now, policy.rule, rescore)
+    return kept, scores
