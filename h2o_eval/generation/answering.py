@@ -419,15 +419,8 @@ class _Answering:
         fed, history = list(document.context), []
         for k, question in enumerate(document.questions):
             began = time.perf_counter()
-            if history:
-                with cpu_into(cpu, "prompt"):
-                    extend(self.model, cache, fed, history)
-                fed += history
-                if turns.schedule != "once":
-                    with cpu_into(cpu, "scoring"):
-                        cache.compress_turn(turns.schedule)
-            if turns.schedule != "once" and k < len(document.questions) - 1:
-                cache.begin_turn()
+            self._open_turn(cache, fed, history, k < len(document.questions) - 1, cpu)
+            fed += history
             ids = torch.tensor([fed + question], device=self.device)
             batch = Batch(ids, torch.ones_like(ids), len(fed))
             answering = cache.fork([0]) if turns.history == "gold" else cache
@@ -443,24 +436,31 @@ class _Answering:
                 last, fed = generated[-1], generated[:-1]
                 history = [last] + (document.end[1:] if document.end[:1] == [last] else document.end)
 
+    def _open_turn(self, cache: EvictionCache, fed: list[int], history: list[int], more: bool, cpu: dict) -> None:
+        """A turn's start in ``cache``, which has seen ``fed``: the ``history`` the turn before left (none before the
+        first) fed as one chunk and, under ``nested`` or ``new_turn``, the cache compressed; then, where ``more``
+        turns follow, the attention inputs kept for the next compression."""
+        schedule = self.settings.turns.schedule
+        if history:
+            with cpu_into(cpu, "prompt"):
+                extend(self.model, cache, fed, history)
+            if schedule != "once":
+                with cpu_into(cpu, "scoring"):
+                    cache.compress_turn(schedule)
+        if schedule != "once" and more:
+            cache.begin_turn()
+
     def _converse_together(self, caches: dict[int, EvictionCache], d: int, seconds: dict, cpu: dict) -> None:
         """``stack`` under ``gold``: the cells' conversations over document ``d`` turn by turn together. Their
         histories are the same tokens, so at each turn every cell's cache takes the history (and its compression)
         on its own, and a copy of each answers the question in one batch, the copies stacked
         (:meth:`_decode_stacked`, under ``decoding=grow``). ``caches`` is emptied."""
-        document, turns = self.documents[d], self.settings.turns
+        document = self.documents[d]
         fed, history = list(document.context), []
         for k, question in enumerate(document.questions):
             for i, cache in caches.items():
                 began = time.perf_counter()
-                if history:
-                    with cpu_into(cpu[i], "prompt"):
-                        extend(self.model, cache, fed, history)
-                    if turns.schedule != "once":
-                        with cpu_into(cpu[i], "scoring"):
-                            cache.compress_turn(turns.schedule)
-                if turns.schedule != "once" and k < len(document.questions) - 1:
-                    cache.begin_turn()
+                self._open_turn(cache, fed, history, k < len(document.questions) - 1, cpu[i])
                 seconds[i] += time.perf_counter() - began
             fed += history
             ids = torch.tensor([fed + question], device=self.device)
