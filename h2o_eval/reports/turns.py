@@ -24,16 +24,6 @@ from h2o_eval.reports.tables import percent
 LINES = ("full", "oracle")  # drawn dashed in every panel of their history
 
 
-def turn_metrics(records: list[dict[str, Any]]) -> list[str]:
-    """The per-turn metrics the ``protocol=turns`` records hold, in turn order."""
-    found = set()
-    for record in records:
-        if record["protocol"] == "turns":
-            metric = stats.primary_metric(record)
-            found |= {name for name in record["metrics"] if re.fullmatch(rf"{metric}_turn\d+", name)}
-    return sorted(found, key=lambda name: (name.rsplit("_turn", 1)[0], int(name.rsplit("_turn", 1)[1])))
-
-
 def policy_labels(records: list[dict[str, Any]]) -> dict[str, str]:
     """Each built policy's label (by its parameters as JSON): its name, and its parameters that depart from its YAML's
     only where the records hold two settings of that name (budgets aside)."""
@@ -76,8 +66,8 @@ def question_scores_by_turn(records: list[dict[str, Any]], results_dir: Path) ->
     return scores
 
 
-def by_turn(records: list[dict[str, Any]], results_dir: Path) -> dict[tuple, dict[int, stats.Estimate]]:
-    """Per setting (as :func:`question_scores_by_turn`) the mean over tasks at each turn, x100."""
+def by_turn(scores: dict[tuple, dict[int, dict]]) -> dict[tuple, dict[int, stats.Estimate]]:
+    """Per setting the mean over tasks at each turn, x100, of :func:`question_scores_by_turn`'s ``scores``."""
 
     def estimate(tasks: dict[str, dict]) -> stats.Estimate:
         return stats.mean_over_tasks(
@@ -89,7 +79,7 @@ def by_turn(records: list[dict[str, Any]], results_dir: Path) -> dict[tuple, dic
 
     return {
         key: {k: estimate(tasks) for k, tasks in sorted(turns.items())}
-        for key, turns in question_scores_by_turn(records, results_dir).items()
+        for key, turns in scores.items()
         if all(tasks and all(tasks.values()) for tasks in turns.values())
     }
 
@@ -220,12 +210,11 @@ def turns_figure(found: dict[tuple, dict[int, stats.Estimate]], model: str, leng
     return figure
 
 
-def paired_markdown_by_turn(records: list[dict[str, Any]], results_dir: Path, against: str = "full") -> str:
+def paired_markdown_by_turn(scores: dict[tuple, dict[int, dict]], against: str = "full") -> str:
     """``paired_turns.md``: at each turn, each setting against ``against`` of the same model, length, history and
     schedule (of ``once`` where its schedule has none), question by question: the mean over their tasks of the
     difference (x100), its document-bootstrap interval, and the sign-flip test's p (:func:`~h2o_eval.stats.paired_mean`;
-    each task on its own metric)."""
-    scores = question_scores_by_turn(records, results_dir)
+    each task on its own metric; ``scores``: :func:`question_scores_by_turn`'s)."""
     lines = []
     for key in sorted(scores, key=_order):
         model, length, history, schedule, policy, budget = key
@@ -268,10 +257,10 @@ def write_by_turn(
     module). ValueError when no record is of ``protocol=turns``."""
     import matplotlib.pyplot as plt
 
-    metrics = turn_metrics(records)
-    if not metrics:
+    scores = question_scores_by_turn(records, results_dir)
+    if not scores:
         raise ValueError("no protocol=turns record with per-turn scores: run +experiment=kv_multiturn first")
-    found = by_turn(records, results_dir)
+    found = by_turn(scores)
     out.mkdir(parents=True, exist_ok=True)
     text = turns_markdown(found)
     files = [out / "turns.md"]
@@ -282,7 +271,7 @@ def write_by_turn(
         figure.savefig(path, bbox_inches="tight")
         plt.close(figure)
         files.append(path)
-    paired = paired_markdown_by_turn(records, results_dir, against)
+    paired = paired_markdown_by_turn(scores, against)
     if paired:
         files.append(out / "paired_turns.md")
         files[-1].write_text(paired)
