@@ -37,11 +37,13 @@ METRICS = {"string_match_all": ruler.string_match_all, "string_match_part": rule
 @dataclass
 class Prompt:
     """One document as the model reads it: the context's token ids, and per question the ids of question,
-    end of the user turn, assistant header and answer prefix."""
+    end of the user turn, assistant header and answer prefix; ``suffix``: the text between a question and its
+    answer prefix (the end of the user turn and the assistant header)."""
 
     document: dict[str, Any]
     context_ids: list[int]
     question_ids: list[list[int]]
+    suffix: str
 
 
 def wrap(tokenizer: Any, document: Mapping[str, Any]) -> Prompt:
@@ -63,6 +65,7 @@ def wrap(tokenizer: Any, document: Mapping[str, Any]) -> Prompt:
         dict(document),
         tokenizer.encode(context, add_special_tokens=False),
         [tokenizer.encode(question, add_special_tokens=False) for question in questions],
+        suffix,
     )
 
 
@@ -93,10 +96,9 @@ def conversation(tokenizer: Any, prompt: Prompt, golds: Sequence[str]) -> Docume
     from h2o_eval.generation import Document
 
     end, opening = turn_template(tokenizer)
-    suffix = _question_suffix(tokenizer)
     questions = prompt.document["questions"]
     encode = functools.partial(tokenizer.encode, add_special_tokens=False)
-    later = [encode(opening + q["question"] + suffix + q["answer_prefix"]) for q in questions[1:]]
+    later = [encode(opening + q["question"] + prompt.suffix + q["answer_prefix"]) for q in questions[1:]]
     return Document(
         prompt.context_ids, [prompt.question_ids[0], *later], [encode(gold + end) for gold in golds], encode(end)
     )
@@ -119,18 +121,6 @@ def scbench_conversation(tokenizer: Any, row: Mapping[str, Any]) -> Document:
     document = {"context": row["context"], "questions": [{"question": q, "answer_prefix": ""} for q in asked]}
     golds = [t["answer"][0] if isinstance(t["answer"], list) else str(t["answer"]) for t in turns]
     return conversation(tokenizer, wrap(tokenizer, document), golds)
-
-
-def _question_suffix(tokenizer: Any) -> str:
-    """What :func:`wrap` puts between a question and its answer prefix: the end of the user turn and the assistant
-    header, or a newline without a chat template."""
-    if not getattr(tokenizer, "chat_template", None):
-        return "\n"
-    marker = "\x00Q\x00"
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False, enable_thinking=False
-    )
-    return rendered.split(marker, 1)[1]
 
 
 def prompts(tokenizer: Any, config: Mapping[str, Any]) -> list[Prompt]:
