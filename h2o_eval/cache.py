@@ -319,7 +319,8 @@ class EvictionCache(Cache):
         """From now on every layer keeps the attention inputs fed (eagerly: no CUDA graph records them), which
         :meth:`compress_turn` scores by. A policy whose scores need a pass of its own over a prompt (kvzip, the
         oracle, snapkv's question-aware window) cannot be compressed so and is refused."""
-        interval = Interval(policy=self.policy)  # refuses such a policy, naming the ones that fit
+        refuse_interval_policy(self.policy, "protocol=turns", "a turn's", "; or compress the context only")
+        interval = Interval(policy=self.policy)
         self.turn_start = self.shared.last + 1  # [B] the position the turn's first token takes
         for layer in self.layers:
             layer.turn = Steps(interval)

@@ -124,12 +124,7 @@ def check_turns(config: dict[str, Any], policy: Any, runner: str) -> None:
     if not isinstance(policy.budget, float):
         raise ConfigError(f"turns.schedule={schedule} keeps a fraction of each turn: use a fractional budget, not "
                           f"budget={policy.budget}")  # fmt: skip
-    try:
-        refuse_interval_policy(policy)
-    except ConfigError as error:
-        reason = str(error).removeprefix("decoding=interval: ")
-        reason = reason.replace("an interval compression", "a turn's compression")
-        raise ConfigError(f"turns.schedule={schedule}: {reason}; or turns.schedule=once") from None
+    refuse_interval_policy(policy, f"turns.schedule={schedule}", "a turn's", "; or turns.schedule=once")
 
 
 def _check_writable(results_dir: Path) -> None:

@@ -487,24 +487,28 @@ class Interval:
         }
 
 
-def refuse_interval_policy(policy: Policy) -> None:
+def refuse_interval_policy(
+    policy: Policy, setting: str = "decoding=interval", compression: str = "an interval", otherwise: str = ""
+) -> None:
     """Refuse a policy whose scores an interval compression cannot make: it scores only by key scores, by the
     attention of the queries fed since the last compression and by what is held (``scores_held``); a wrapper
-    only if it declares it can (``interval_ready``: ``adakv``, ``criticalkv``) and over such a base."""
+    only if it declares it can (``interval_ready``: ``adakv``, ``criticalkv``) and over such a base. The refusal
+    names the ``setting`` that asks for such a compression, whose ``compression`` it is (``protocol=turns``'
+    compression of a turn makes the same scores) and ``otherwise``, a fix besides another policy."""
     if any(field.name == "base" for field in fields(policy)):
         if not getattr(policy, "interval_ready", False):
             raise ConfigError(
-                f"decoding=interval: policy {policy.name!r} wraps a base policy in a way an interval compression "
-                "does not make: use its base (e.g. snapkv, knorm), or adakv or criticalkv over it"
+                f"{setting}: policy {policy.name!r} wraps a base policy in a way {compression} compression "
+                f"does not make: use its base (e.g. snapkv, knorm), or adakv or criticalkv over it{otherwise}"
             )
-        refuse_interval_policy(policy.base)
+        refuse_interval_policy(policy.base, setting, compression, otherwise)
         return
     if policy.rescores and not policy.scores_held or policy.rehearses or not policy.has_cache:
         raise ConfigError(
-            f"decoding=interval: policy {policy.name!r} scores a prompt by its own pass over it, which an interval "
+            f"{setting}: policy {policy.name!r} scores a prompt by its own pass over it, which {compression} "
             "compression has not: use a policy scored by key scores, attention votes or the held keys and values "
             "(knorm, snapkv, h2o, tova, keydiff, cur, lagkv, expected_attention, observed_attention, random, "
-            "streaming)"
+            f"streaming){otherwise}"
         )
 
 
