@@ -120,8 +120,9 @@ def widened(slots: Slots, size: int) -> Slots:
     fill = (0, False, FREE, -torch.inf)
     grown = []
     for tensor, value in zip(slots.tensors(), (fill[0], *fill), strict=True):
-        buffer = tensor.new_full((*tensor.shape[:2], size, *tensor.shape[3:]), value)
+        buffer = tensor.new_empty((*tensor.shape[:2], size, *tensor.shape[3:]))
         buffer[:, :, : slots.width] = tensor
+        buffer[:, :, slots.width :].fill_(value)
         grown.append(buffer)
     return Slots(*grown)
 
