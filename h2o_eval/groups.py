@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_eval.attention import key_validity, plain_attention
-from h2o_eval.decode import FREE, Slots, attend, bucket, widened
+from h2o_eval.decode import BUCKET, FREE, Slots, attend, bucket
 from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import host_state, restore_host_state
 from h2o_eval.kernels.reference import CONSTANTS
@@ -48,11 +48,17 @@ class LayersOfCaches(CacheLayerMixin):
         return -1
 
 
+FILLS = (0, 0, False, FREE, -torch.inf)  # what a free slot's keys, values, held, position and score hold
+ROOM = 128  # slots a group lays out beyond a bucket of what it holds (an answer's tokens): it seldom widens
+
+
 class Group:
     """Rows of a :class:`StackedDecode` that hold about as many tokens: ``slots`` their buffers (dense, each row's
     held slots first), ``count`` [P, Hkv] each row's next slot per KV head, ``most`` (on the host) the most any of
-    them holds; ``rows`` the stack's rows (its batch order) it answers for, and ``physical`` theirs in its buffers.
-    Rows that left stay in the buffers, answering for no row of the stack."""
+    them holds; ``rows`` the stack's rows (its batch order) it answers for, and ``physical`` theirs in its buffers
+    (both increasing). Rows that left stay in the buffers, neither read nor copied: a step appends to the rows that
+    go on and attends them by ``runs`` of consecutive buffer rows (views), until a widening copies the rows that go
+    on alone (:meth:`prepare`)."""
 
     def __init__(self, slots: Slots, count: torch.Tensor, most: int, rows: list[int], physical: list[int]) -> None:
         self.slots, self.count, self.most = slots, count, most
@@ -61,6 +67,7 @@ class Group:
         self.rows_index = torch.tensor(rows, dtype=torch.int64, device=device)
         self.physical_index = torch.tensor(physical, dtype=torch.int64, device=device)
         self.whole = physical == list(range(count.shape[0])) and rows == list(range(rows[0], rows[0] + len(rows)))
+        self.runs = runs(physical)
 
     def step(self, query, key, value, positions, scaling, output: torch.Tensor) -> None:
         """Append the chunk's tokens (``key``, ``value`` [N, Hkv, n, D] at ``positions`` [N, n], the stack's rows) to
@@ -77,23 +84,44 @@ class Group:
         slots.held.index_put_((rows, heads, at), torch.ones_like(at, dtype=torch.bool))
         slots.position.index_put_((rows, heads, at), positions.unsqueeze(1).expand_as(at))
         self.count.index_add_(0, physical, torch.full_like(start, n))
-        if not self.whole:  # the rows that left attend to nothing useful: their queries are zeros
-            query = query.new_zeros(self.count.shape[0], *query.shape[1:]).index_copy_(0, physical, query)
-            start = torch.zeros_like(self.count).index_copy_(0, physical, start)
-        attended = attend(query, slots, scaling) if n == 1 else attend_chunk_causally(query, slots, start, scaling)
+        parts, used = [], self.used(n)
+        for first, end, mine in self.runs:  # views of the buffers' rows that go on, as wide as they are used
+            run = Slots(*(tensor[first:end, :, :used] for tensor in slots.tensors()))
+            part = slice(mine, mine + end - first)
+            if n == 1:
+                parts.append(attend(query[part], run, scaling))
+            else:
+                parts.append(attend_chunk_causally(query[part], run, start[part], scaling))
+        attended = parts[0] if len(parts) == 1 else torch.cat(parts)
         if self.whole:
             output[self.rows[0] : self.rows[-1] + 1] = attended
         else:
-            output.index_copy_(0, self.rows_index, attended.index_select(0, physical))
+            output.index_copy_(0, self.rows_index, attended)
+
+    def used(self, n: int) -> int:
+        """How many of the buffers' slots a step of ``n`` tokens attends: the buckets any row fills."""
+        return min(self.slots.width, -(-(self.most + n) // BUCKET) * BUCKET)
 
     def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This group's rows of a tensor of the stack's rows."""
         return tensor[self.rows[0] : self.rows[-1] + 1] if self.whole else tensor.index_select(0, self.rows_index)
 
-    def prepare(self, n: int) -> None:
-        """Before a step of ``n`` tokens, on the host: buffers wide enough for them in every row (a new bucket)."""
-        if self.most + n > self.slots.width:
-            self.slots = widened(self.slots, bucket(self.most + n))
+    def prepare(self, n: int) -> Group:
+        """Before a step of ``n`` tokens, on the host: this group with buffers wide enough for them in every row (a
+        new bucket, into which the rows that go on are copied, run by run, and nothing else)."""
+        width = self.slots.width
+        if self.most + n <= width:
+            return self
+        size, rows = bucket(self.most + n) + ROOM, len(self.physical)
+        grown = []
+        for tensor, fill in zip(self.slots.tensors(), FILLS, strict=True):
+            buffer = tensor.new_empty((rows, *tensor.shape[1:2], size, *tensor.shape[3:]))
+            buffer[:, :, width:].fill_(fill)
+            for first, end, mine in self.runs:
+                buffer[mine : mine + end - first, :, :width] = tensor[first:end]
+            grown.append(buffer)
+        count = self.count if rows == self.count.shape[0] else self.count.index_select(0, self.physical_index)
+        return Group(Slots(*grown), count, self.most, self.rows, list(range(rows)))
 
     def tensors(self) -> list[torch.Tensor]:
         """What a step reads and writes on the device."""
@@ -101,17 +129,24 @@ class Group:
 
     def going_on(self, kept: dict[int, int]) -> Group | None:
         """This group for the stack's rows that go on (``kept``: old row -> new row), or None where none of its rows
-        does. Its buffers stay as they are until half their rows have left; then the rows that go on are copied into
-        buffers of their own."""
+        does; its buffers as they are (nothing copied)."""
         pairs = [(kept[row], spot) for row, spot in zip(self.rows, self.physical, strict=True) if row in kept]
         if not pairs:
             return None
-        rows, physical = [row for row, _ in pairs], [spot for _, spot in pairs]
-        if 2 * len(physical) > self.count.shape[0]:
-            return Group(self.slots, self.count, self.most, rows, physical)
-        index = torch.tensor(physical, device=self.count.device)
-        slots = self.slots.map(lambda tensor: tensor.index_select(0, index))
-        return Group(slots, self.count.index_select(0, index), self.most, rows, list(range(len(rows))))
+        return Group(self.slots, self.count, self.most, [row for row, _ in pairs], [spot for _, spot in pairs])
+
+
+def runs(physical: list[int]) -> list[tuple[int, int, int]]:
+    """The runs of consecutive buffer rows in ``physical`` (increasing): (first, end, where the run starts among
+    them)."""
+    found: list[tuple[int, int, int]] = []
+    for mine, spot in enumerate(physical):
+        if found and found[-1][1] == spot:
+            first, _, at = found[-1]
+            found[-1] = (first, spot + 1, at)
+        else:
+            found.append((spot, spot + 1, mine))
+    return found
 
 
 def attend_chunk_causally(query: torch.Tensor, slots: Slots, start: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -137,15 +172,17 @@ class StackedDecode:
     rows laid out once, at the stack's first forward, in buffers of its own (the views are left as they were), and
     grouped by how many tokens they hold (rows whose counts round to one bucket), so that each forward (the
     question's chunk, then a token per step) appends and attends in one call per group, not one per view. Rows
-    that leave stay in their group's buffers until half its rows have left (:meth:`Group.going_on`)."""
+    that leave stay in their group's buffers, unread, and nothing is copied (:meth:`Group.going_on`); a group lays
+    out :data:`ROOM` slots beyond a bucket of what it holds and attends the buckets its rows fill
+    (:meth:`Group.used`), so that it seldom widens, and a widening copies the rows that go on alone."""
 
     def __init__(self, groups: list[Group]) -> None:
         self.groups = groups
 
     @classmethod
-    def of(cls, layers: list[EvictionLayer]) -> StackedDecode:
-        """The views' layers' slots as they are after their last chunk, each copied once into its group's buffers
-        (read on the host: the stack's first forward is no decode step)."""
+    def of(cls, layers: list[EvictionLayer], n: int) -> StackedDecode:
+        """The views' layers' slots as they are after their last chunk, each copied once into its group's buffers,
+        wide enough for the stack's first forward of ``n`` tokens (read on the host: it is no decode step)."""
         laid: dict[int, list] = {}
         start = 0
         for layer in layers:
@@ -155,20 +192,22 @@ class StackedDecode:
             if not bool(slots.held[..., :most].all()):  # a head that holds fewer: its held slots first
                 slots = slots.held_first(most)
             member = (slots, count, most, list(range(start, start + len(count))))
-            laid.setdefault(bucket(most + 1), []).append(member)
+            laid.setdefault(bucket(most + n), []).append(member)
             start += len(count)
         groups = []
         for width, members in sorted(laid.items()):
             rows = [row for member in members for row in member[3]]
             first = members[0][0]
             buffers = [
-                tensor.new_full((len(rows), *tensor.shape[1:2], width, *tensor.shape[3:]), fill)
-                for tensor, fill in zip(first.dense().tensors(), (0, 0, False, FREE, -torch.inf), strict=True)
+                tensor.new_empty((len(rows), *tensor.shape[1:2], width + ROOM, *tensor.shape[3:]))
+                for tensor in first.dense().tensors()
             ]
             at = 0
             for slots, _, _, own in members:
-                for buffer, tensor in zip(buffers, slots.dense().tensors(), strict=True):
-                    buffer[at : at + len(own), :, : tensor.shape[2]] = tensor[:, :, :width]
+                for buffer, tensor, fill in zip(buffers, slots.dense().tensors(), FILLS, strict=True):
+                    held = min(tensor.shape[2], width)
+                    buffer[at : at + len(own), :, :held] = tensor[:, :, :held]
+                    buffer[at : at + len(own), :, held:].fill_(fill)
                 at += len(own)
             count = torch.cat([member[1] for member in members])
             groups.append(Group(Slots(*buffers), count, max(m[2] for m in members), rows, list(range(len(rows)))))
@@ -176,8 +215,7 @@ class StackedDecode:
 
     def prepare(self, n: int) -> None:
         """Before a forward of ``n`` tokens, on the host: every group's buffers wide enough for them."""
-        for group in self.groups:
-            group.prepare(n)
+        self.groups = [group.prepare(n) for group in self.groups]
 
     def step(self, query, key, value, positions, scaling) -> torch.Tensor:
         """Device work only (capturable as a CUDA graph, once :meth:`prepare` has run): the chunk's tokens
@@ -255,7 +293,7 @@ class StackedLayer(LayersOfCaches):
             layer.seen += n
             positions.append(layer.shared.last.view(-1, 1) - torch.arange(n - 1, -1, -1, device=key.device))
         if self.decode is None:
-            self.decode = StackedDecode.of(self.layers)
+            self.decode = StackedDecode.of(self.layers, n)
         self.decode.prepare(n)
         output = self.decode.step(query, key, value, torch.cat(positions), scaling)
         self.decode.advance(n)
@@ -334,7 +372,8 @@ class StackedCache(Cache):
     def buffers(self) -> tuple:
         """What a captured step reads and writes, by address: a step captured for other buffers does not fit."""
         tensors = [*(t for view in self.views for t in (view.shared.last, view.shared.real)), *self._decoded()]
-        return tuple(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors)
+        used = tuple(group.used(1) for layer in self.layers for group in layer.decode.groups)
+        return (*(None if t is None else (t.data_ptr(), tuple(t.shape)) for t in tensors), used)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a step may read without owning it (:class:`~h2o_eval.graphs.RecordedGraph`)."""

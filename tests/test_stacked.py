@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import make_config
 
-from h2o_eval import generation
+from h2o_eval import generation, groups
 from h2o_eval.cache import EvictionCache
 from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import RecordedGraph
-from h2o_eval.groups import SharedPrompt
+from h2o_eval.groups import Group, SharedPrompt, runs
 from h2o_eval.models import load_model
 from h2o_eval.policies import make_policy
 from h2o_eval.run import validate
@@ -60,8 +60,9 @@ def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate
 ):
     """Reference: a stack of compressed caches decoding a question in one ``generate``, every row carried to the
     longest answer; implementation: :func:`decode_leaving`, each row leaving the batch at its end of sequence (a
-    token the rows generate at different steps), its group's buffers laid out anew once half their rows have left.
-    The same sequences, and ``generate`` ran again as rows left."""
+    token the rows generate at different steps), the rows that go on attended where they are (runs of a group's
+    buffer rows) and copied alone when their group widens. The same sequences, and ``generate`` ran again as rows
+    left; a group attended rows apart and widened with fewer rows than it had."""
     model, _ = load_model(name, device="cpu")
     generator = torch.Generator().manual_seed(5)
     context = torch.randint(5, model.config.vocab_size, (2, length), generator=generator)
@@ -84,9 +85,23 @@ def test_rows_leave_a_stack_as_their_answers_end_and_generate_what_they_generate
     carried = generation.decode(model, stacked(), ids, torch.ones_like(ids), **settings)
     calls, decode = [], generation.passes.decode
     monkeypatch.setattr(generation.passes, "decode", lambda *a, **k: calls.append(a[2].shape[0]) or decode(*a, **k))
+    widenings, prepare = [], Group.prepare
+
+    def widening(group, n):
+        wider = prepare(group, n)
+        widenings.extend([] if wider is group else [(group.slots.held.shape[0], wider.slots.held.shape[0])])
+        return wider
+
+    monkeypatch.setattr(Group, "prepare", widening)
+    monkeypatch.setattr(groups, "ROOM", 0)  # no room beyond a bucket: the groups widen within the answers
+    apart = []
+    monkeypatch.setattr(groups, "runs", lambda physical: apart.append(len(runs(physical)) > 1) or runs(physical))
     leaving = generation.passes.decode_leaving(model, stacked(), ids, torch.ones_like(ids), **settings)
     assert torch.equal(leaving, carried[:, : leaving.shape[1]]) and (carried[:, leaving.shape[1] :] == 0).all()
     assert len(calls) >= 2 and calls == sorted(calls, reverse=True) and calls[-1] < len(ids)
+    if length == 48:  # one group of the 8 rows, whose bucket (64 slots) is outgrown as they leave
+        assert any(after < before for before, after in widenings), widenings
+        assert any(apart), "a row should leave from the group's middle here"
 
 
 @pytest.mark.parametrize("count", [1, 17, 61])
@@ -125,6 +140,13 @@ def test_a_stack_replays_its_decode_steps_as_graphs_and_answers_as_eagerly_while
     if count > 1:
         assert len({int((row != 0).sum()) for row in eager[:, ids.shape[1] :]}) > 1, "rows should leave apart"
         assert len(set(replays)) >= 2, "the stack left by the rows that ended should replay captures of its own"
+
+
+def test_a_group_attends_the_rows_that_go_on_by_runs_of_its_buffer_rows():
+    """Runs of consecutive buffer rows, each with where it starts among the rows that go on."""
+    assert runs([0, 1, 2]) == [(0, 3, 0)]
+    assert runs([0, 2, 3, 7]) == [(0, 1, 0), (2, 4, 1), (7, 8, 3)]
+    assert runs([5]) == [(5, 6, 0)]
 
 
 def test_a_stack_going_on_with_some_rows_copies_only_the_caches_that_lose_rows():
