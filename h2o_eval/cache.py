@@ -39,7 +39,7 @@ from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import CudaGraph, DecodeGraphs, RecordedGraph, host_state, restore_host_state
 from h2o_eval.graphs import install as install_graphs
 from h2o_eval.implementation import choose
-from h2o_eval.interval import Steps
+from h2o_eval.interval import Intervals, Turn
 from h2o_eval.kernels.reference import CONSTANTS
 from h2o_eval.layer import EvictionLayer
 from h2o_eval.policies import Full, Interval, Policy, Rule, check_decoding, check_protocol
@@ -323,7 +323,7 @@ class EvictionCache(Cache):
         interval = Interval(policy=self.policy)
         self.turn_start = self.shared.last + 1  # [B] the position the turn's first token takes
         for layer in self.layers:
-            layer.turn = Steps(interval)
+            layer.turn = Turn(interval)
 
     def compress_turn(self, schedule: str) -> None:
         """Compress what every layer holds at the end of a turn (:meth:`EvictionLayer.compress_turn`), by the
@@ -457,7 +457,8 @@ class EvictionCache(Cache):
         """The host's state of the cache (its sequences' and layers' counts), to restore after a capture that raised
         (:meth:`restore_host_state`)."""
         parts = [self.shared, *self.layers, *(layer.steps for layer in self.layers if layer.steps is not None)]
-        return host_state([*parts, *(layer.layout for layer in self.layers if layer.layout is not None)])
+        layouts = [layer.layout for layer in self.layers if layer.layout is not None]
+        return host_state([*parts, *layouts, *(layout.inner for layout in layouts if isinstance(layout, Intervals))])
 
     restore_host_state = staticmethod(restore_host_state)
 

@@ -50,6 +50,12 @@ class Steps:
             self.steps += 1
             self.chunk = chunk
 
+    def record(self, layer, module: torch.nn.Module, hidden_states: torch.Tensor | None, scaling: float, n: int):
+        """A layer's recorder (:attr:`~h2o_eval.layer.EvictionLayer.recorders`), before it attends a forward of ``n``
+        tokens per sequence: :meth:`saw` (``decoding=interval`` counts the forwards where they are taken: a chunk's
+        in the layer, a decode step's in :class:`Intervals`)."""
+        self.saw(layer, module, hidden_states, scaling)
+
     def saw(self, layer, module: torch.nn.Module, hidden_states: torch.Tensor | None, scaling: float) -> None:
         """Before ``layer`` attends a forward after its prompt: note its attention module and logit scale, and keep
         its attention input [B, n, hidden] where the decoding policy's votes read it."""
@@ -86,6 +92,48 @@ class Steps:
         copy.steps, copy.chunk, copy.module, copy.scaling = self.steps, self.chunk, self.module, self.scaling
         copy.rows = [hidden[rows] for hidden in self.rows]
         return copy
+
+
+class Turn(Steps):
+    """``protocol=turns``: what a layer records of a turn's forwards, decode steps included, for the compression at
+    the turn's end (:func:`turn_compression`)."""
+
+    def record(self, layer, module: torch.nn.Module, hidden_states: torch.Tensor | None, scaling: float, n: int):
+        self.saw(layer, module, hidden_states, scaling)
+        self.fed(n)
+
+
+class Intervals:
+    """``decoding=interval``'s decode layout (:class:`~h2o_eval.layouts.DecodeLayout`): the layout ``inner`` its layer
+    settled in, wrapped. Its steps count as forwards fed (``steps``); before a step its counts say is due, the layer
+    is compressed (``compress``: it compresses and settles anew, its new layout prepared, and says whether it did),
+    and the step goes by the layout the layer then has."""
+
+    def __init__(self, inner, steps: Steps, compress) -> None:
+        self.inner, self.steps, self.compress = inner, steps, compress
+
+    slots = property(lambda self: self.inner.slots)
+    most = property(lambda self: self.inner.most)
+
+    def prepare(self) -> None:
+        if not self.compress():
+            self.inner.prepare()
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return self.inner.step(query, key, value)
+
+    def advance(self) -> None:
+        self.inner.advance()
+        self.steps.fed(1)
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return self.inner.tensors()
+
+    def compacted(self) -> Slots:
+        return self.inner.compacted()
+
+    def faults(self) -> list[str]:
+        return self.inner.faults()
 
 
 def voters(rule: Rule, fed: int) -> int:

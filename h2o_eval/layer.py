@@ -10,8 +10,9 @@ A layer holds :class:`~h2o_eval.decode.Slots`: keys/values [B, Hkv, S, D] and pe
   whole.
 - ``decode``: one token per sequence through the layer's decode layout (:mod:`h2o_eval.layouts`: ``Bounded``,
   ``Dense`` or ``Ragged``), chosen once when the layer settles after a chunk or a compression
-  (:meth:`EvictionLayer.settle`). Under a threshold that drops, what left the window below it is freed after the step
-  (:func:`~h2o_eval.decode.drop`).
+  (:meth:`EvictionLayer.settle`), and wrapped under ``decoding=interval`` (:class:`~h2o_eval.interval.Intervals`:
+  the steps counted, the compressions made when due). Under a threshold that drops, what left the window below it is
+  freed after the step (:func:`~h2o_eval.decode.drop`).
 - ``window``: a sliding layer of a model that also has global layers keeps its last ``window`` - 1 tokens, as
   transformers' own sliding cache does, and the policy does not touch it.
 - ``rehearse``: an extra pass over a deferred prompt (KVzip's repeat): it attends, scores the held slots, and its
@@ -40,7 +41,7 @@ from h2o_eval.compression import compress
 from h2o_eval.context import LayerContext, Plan, Sequences, arriving_scores, first_plan, plan_tensors, starting_scores
 from h2o_eval.decode import Slots, bucket
 from h2o_eval.eviction import Chunk
-from h2o_eval.interval import Steps, between, compression, turn_compression
+from h2o_eval.interval import Intervals, Steps, Turn, between, compression, turn_compression
 from h2o_eval.layouts import Binding, Bounded, DecodeLayout, Dense, Ragged
 from h2o_eval.policies import UNBOUNDED
 from h2o_eval.policies.inputs import Prompt, Rehearsal
@@ -72,10 +73,34 @@ class EvictionLayer(CacheLayerMixin):
         # How one token per sequence is decoded (Bounded, Dense or Ragged), chosen when the layer settles; None
         # while there is nothing to decode into (no plan, a deferred prompt, a sliding layer's own window).
         self.layout: DecodeLayout | None = None
-        # decoding=interval: the forwards since the last compression (None under another decoding: no step asks)
-        self.steps = None if context.interval is None else Steps(context.interval)
+        # decoding=interval: the forwards since the last compression (None under another decoding: no step asks);
         # protocol=turns: the attention inputs fed since the last turn's compression (None: nothing recorded)
-        self.turn: Steps | None = None
+        self._steps, self._turn = None if context.interval is None else Steps(context.interval), None
+        # what records each forward's attention input before the layer attends it: interval's steps, a turn's
+        self.recorders: tuple[Steps, ...] = ()
+        self._recording()
+
+    @property
+    def steps(self) -> Steps | None:
+        return self._steps
+
+    @steps.setter
+    def steps(self, steps: Steps | None) -> None:
+        self._steps = steps
+        self._recording()
+
+    @property
+    def turn(self) -> Turn | None:
+        return self._turn
+
+    @turn.setter
+    def turn(self, turn: Turn | None) -> None:
+        """A turn's recorder from now on (:meth:`~h2o_eval.cache.EvictionCache.begin_turn`), or none."""
+        self._turn = turn
+        self._recording()
+
+    def _recording(self) -> None:
+        self.recorders = tuple(steps for steps in (self._steps, self._turn) if steps is not None)
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
 
@@ -123,8 +148,6 @@ class EvictionLayer(CacheLayerMixin):
                 "h2o_eval.compress(model, cache, tokenizer, input_ids) after the prompt, before feeding more tokens"
             )
         self.pending = (key_states, value_states)
-        if self.steps is not None and between(self):  # decoding=interval: a compression due before this forward
-            self.compress_held()
         return self.pending
 
     def _step(self, key_states: torch.Tensor) -> str:
@@ -171,16 +194,16 @@ class EvictionLayer(CacheLayerMixin):
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
         self.scaling = scaling
-        if self.steps is not None:
-            self.steps.saw(self, module, hidden_states, scaling)
-        if self.turn is not None:
-            self.turn.saw(self, module, hidden_states, scaling)
-            self.turn.fed(arriving.shape[1])
+        if step == "decode":  # under decoding=interval, its compression when due (Intervals)
+            self.layout.prepare()
+        elif self.steps is not None and between(self):  # decoding=interval: a compression due before this chunk
+            self.compress_held()
+        for recorder in self.recorders:
+            recorder.record(self, module, hidden_states, scaling, arriving.shape[1])
         if self.seen == self.shared.columns:  # the first layer this forward reaches
             self.shared.begin(arriving, decode=arriving.shape[1] == 1 and self.seen > 0)
         check_window(self.context.window, self.shared.longest)
         if step == "decode":
-            self.prepare_decode()
             result = self.layout.step(query, key, value)
             self.advance()
             return result
@@ -204,8 +227,6 @@ class EvictionLayer(CacheLayerMixin):
         """The host's counts after a decode step, eager or replayed (:mod:`h2o_eval.graphs`): where they move."""
         self.seen += 1
         self.layout.advance()
-        if self.steps is not None:
-            self.steps.fed(1)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this layer keeps on the device: what a captured decode step may read (h2o_eval.graphs)."""
@@ -226,11 +247,9 @@ class EvictionLayer(CacheLayerMixin):
         return ready and self.turn is None
 
     def prepare_decode(self) -> None:
-        """Before a decode step, on the host: the buffers wide enough for one more token (a new bucket for a layer
-        that grows), the position scores ahead made anew when used up; first, under ``decoding=interval``, the
-        compression its counts say is due."""
-        if self.steps is not None and between(self):
-            self.compress_held()
+        """Before a replayed decode step, on the host: its layout's :meth:`~h2o_eval.layouts.DecodeLayout.prepare`
+        (buffers wide enough for one more token, the position scores ahead; under ``decoding=interval`` first the
+        compression its counts say is due)."""
         if self.layout is not None:
             self.layout.prepare()
 
@@ -437,6 +456,8 @@ class EvictionLayer(CacheLayerMixin):
             layout = Ragged(slots, bound, held.tolist(), room)  # heads as they are
         else:
             layout = Dense(slots, bound, most)
+        if self.steps is not None:  # decoding=interval: the layout wrapped, counting its steps
+            layout = Intervals(layout, self.steps, self._compressed_if_due)
         self._slots, self.layout = None, layout  # the layout owns the state now
 
     def _binding(self) -> Binding:
@@ -458,6 +479,15 @@ class EvictionLayer(CacheLayerMixin):
         self._keep(Slots(slots.keys, slots.values, kept, slots.position, scores), slots.held)
         self.settle()
         self.steps.reset()
+
+    def _compressed_if_due(self) -> bool:
+        """``decoding=interval``, before a decode step: whether its counts said a compression was due, and if so the
+        layer compressed (:meth:`compress_held`) and its new layout prepared."""
+        if not between(self):
+            return False
+        self.compress_held()
+        self.layout.prepare()
+        return True
 
     def compress_turn(self, since: torch.Tensor | None) -> None:
         """``protocol=turns``: compress what this layer holds after a turn, as kvpress's press compresses the cache it

@@ -21,9 +21,10 @@ from h2o_eval.generation import Batch, complete, greedy
 from h2o_eval.generation.answering import Cell, Document, Settings, answer
 from h2o_eval.generation.log import GenerationLog
 from h2o_eval.graphs import Capturable, RecordedGraph
+from h2o_eval.interval import Intervals
 from h2o_eval.layer import EvictionLayer
 from h2o_eval.layouts import Bounded, DecodeLayout, Dense
-from h2o_eval.policies import configured_policy, example_policy
+from h2o_eval.policies import Interval, configured_policy, example_policy
 from h2o_eval.run import validate
 from h2o_eval.runners import runner_of
 
@@ -121,14 +122,18 @@ def test_decode_steps_of_a_bounded_cache_keep_their_buffers(tiny):
         before = cache.buffers()
 
 
-@pytest.mark.parametrize(("name", "decoding", "kind"), [("h2o", "evict", Bounded), ("full", "grow", Dense)])
+@pytest.mark.parametrize(
+    ("name", "decoding", "kind"), [("h2o", "evict", Bounded), ("full", "grow", Dense), ("knorm", "interval", Intervals)]
+)
 def test_a_decode_layout_owns_the_state_and_its_step_touches_nothing_of_the_layer(tiny, name, decoding, kind):
     """After the prompt each layer's state is its layout's (a DecodeLayout), and the cache is what the graphs drive
     (Capturable). A layout's host work and step, run by hand, leave every attribute of its layer as it was: the step
-    reads what it bound when it was made and writes its own slots only."""
+    reads what it bound when it was made and writes its own slots only. Under ``decoding=interval`` the layout the
+    layer settled in is wrapped (Intervals), and only a layer of another decoding records nothing."""
     model, _ = tiny
     ids = torch.randint(5, 400, (1, 40), generator=torch.Generator().manual_seed(4))
-    cache = EvictionCache(model, example_policy(name, 0.25), protocol="prefill", decoding=decoding)
+    interval = Interval(8, target_size=32) if decoding == "interval" else None
+    cache = EvictionCache(model, example_policy(name, 0.25), protocol="prefill", decoding=decoding, interval=interval)
     model(ids, cache=cache, use_cache=True)
     assert isinstance(cache, Capturable)
     config = model.config
@@ -140,6 +145,7 @@ def test_a_decode_layout_owns_the_state_and_its_step_touches_nothing_of_the_laye
         layout = layer.layout
         assert isinstance(layout, kind) and isinstance(layout, DecodeLayout)
         assert layer.slots is layout.slots and layer._slots is None
+        assert bool(layer.recorders) == (decoding == "interval")
         before = dict(vars(layer))
         layout.prepare()
         output = layout.step(query, key, value)
