@@ -171,7 +171,8 @@ class StackedDecode:
     """The steps of one layer of a stack whose views' layers (none sliding) are settled in a decode layout: their
     rows laid out once, at the stack's first forward, in buffers of its own (the views are left as they were), and
     grouped by how many tokens they hold (rows whose counts round to one bucket), so that each forward (the
-    question's chunk, then a token per step) appends and attends in one call per group, not one per view. Rows
+    question's chunk, then a token per step) appends and attends in one call per group, not one per view (the views'
+    layers then let their slots go: :meth:`~h2o_eval.layer.EvictionLayer.let_go`). Rows
     that leave stay in their group's buffers, unread, and nothing is copied (:meth:`Group.going_on`); a group lays
     out :data:`ROOM` slots beyond a bucket of what it holds and attends the buckets its rows fill
     (:meth:`Group.used`), so that it seldom widens, and a widening copies the rows that go on alone."""
@@ -294,6 +295,8 @@ class StackedLayer(LayersOfCaches):
             positions.append(layer.shared.last.view(-1, 1) - torch.arange(n - 1, -1, -1, device=key.device))
         if self.decode is None:
             self.decode = StackedDecode.of(self.layers, n)
+            for layer in self.layers:  # the stack decodes in its own buffers from now on
+                layer.let_go()
         self.decode.prepare(n)
         output = self.decode.step(query, key, value, torch.cat(positions), scaling)
         self.decode.advance(n)

@@ -503,6 +503,12 @@ class EvictionLayer(CacheLayerMixin):
         self._keep(Slots(slots.keys, slots.values, held, slots.position, scores), slots.held)
         self.settle()
 
+    def let_go(self) -> None:
+        """Hold no keys or values any more (a stack laid them out in buffers of its own and decodes there,
+        :class:`~h2o_eval.groups.StackedDecode`): empty slots of the same sequences and heads, so that what this layer
+        held is freed where nothing else holds it; its host counts stay."""
+        self.slots = self.slots.map(lambda tensor: tensor.new_empty((*tensor.shape[:2], 0, *tensor.shape[3:])))
+
     def adopt_rehearsal(self, other: EvictionLayer) -> None:
         """Take the scores ``other``'s extra passes gave the same deferred prompt
         (:meth:`~h2o_eval.cache.EvictionCache.adopt_rehearsal`)."""

@@ -3,6 +3,8 @@ answers end."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from conftest import make_config
@@ -140,6 +142,31 @@ def test_a_stack_replays_its_decode_steps_as_graphs_and_answers_as_eagerly_while
     if count > 1:
         assert len({int((row != 0).sum()) for row in eager[:, ids.shape[1] :]}) > 1, "rows should leave apart"
         assert len(set(replays)) >= 2, "the stack left by the rows that ended should replay captures of its own"
+
+
+def test_a_stack_lets_go_of_what_its_views_held_once_it_laid_them_out_in_its_own_buffers():
+    """Compressed caches stacked and let go (as the runners do): after the stack's first forward (the question's
+    chunk) their keys and values are freed, as the stack decodes in buffers of its own, and it still generates what
+    the caches generate alone."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    generator = torch.Generator().manual_seed(6)
+    context = torch.randint(5, model.config.vocab_size, (1, 60), generator=generator)
+    prompt = torch.cat([context, torch.randint(5, model.config.vocab_size, (1, 5), generator=generator)], 1)
+    cells = [("full", 1.0), ("h2o", 0.3), ("snapkv", 0.5)]
+    settings = {"max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+
+    def compressed():
+        caches = [EvictionCache(model, make_policy(p, budget=b), protocol="context", decoding="grow") for p, b in cells]
+        generation.feed(model, SharedPrompt(caches), context, torch.ones_like(context))
+        return caches
+
+    alone = [generation.decode(model, c, prompt, None, **settings)[:, prompt.shape[1] :] for c in compressed()]
+    stack = EvictionCache.stack(compressed())
+    held = [weakref.ref(layer.slots.keys) for view in stack.views for layer in view.layers]
+    assert all(ref() is not None for ref in held)
+    together = generation.decode(model, stack, prompt.repeat(len(cells), 1), None, **settings)
+    assert torch.equal(together[:, prompt.shape[1] :], torch.cat(alone))
+    assert all(ref() is None for ref in held), "the views' keys should be freed"
 
 
 def test_a_group_attends_the_rows_that_go_on_by_runs_of_its_buffer_rows():
