@@ -63,6 +63,21 @@ def test_stacked_decode_full_cell_generates_plain_generate_tokens(tiny, data_dir
     assert rows[:2] == generated(model, "plain", ids)[2].tolist()
 
 
+def test_stacked_decode_of_random_ids_generates_the_same_tokens_eagerly_and_replayed(monkeypatch, capsys):
+    """Without a data folder the contexts are seeded random ids (a model of random weights, as on a GPU); the decode
+    steps eager and replayed under the CUDA graphs' emulation make the same tokens, and each mode prints its step's
+    time."""
+    monkeypatch.setattr("h2o_eval.threads.apply", lambda threads: None)
+    argv = ["--model", "tiny-llama", "--length", "64", "--rows", "1", "--question", str(QUESTION)]
+    argv += ["--new-tokens", str(NEW_TOKENS), "--policies", "full,h2o", "--graphs", "off,emulate"]
+    monkeypatch.setattr(sys, "argv", ["stacked_decode", *argv])
+    stacked_decode.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert [("graphs off" in line, "graphs emulate" in line) for line in lines[:2]] == [(True, False), (False, True)]
+    assert all(" ms a step" in line for line in lines[:2])
+    assert lines[2] == "the same ids in every mode: yes"
+
+
 def write_set(folder, metric=0.5, output="a", extra=None):
     """A folder as ``same_numbers run`` leaves it: one setting's record and its outputs (with a timing)."""
     setting = folder / next(iter(same_numbers.SETTINGS))
