@@ -73,34 +73,15 @@ class EvictionLayer(CacheLayerMixin):
         # How one token per sequence is decoded (Bounded, Dense or Ragged), chosen when the layer settles; None
         # while there is nothing to decode into (no plan, a deferred prompt, a sliding layer's own window).
         self.layout: DecodeLayout | None = None
-        # decoding=interval: the forwards since the last compression (None under another decoding: no step asks);
+        # decoding=interval: the forwards since the last compression (None under another decoding: no step asks)
+        self.steps = None if context.interval is None else Steps(context.interval)
         # protocol=turns: the attention inputs fed since the last turn's compression (None: nothing recorded)
-        self._steps, self._turn = None if context.interval is None else Steps(context.interval), None
-        # what records each forward's attention input before the layer attends it: interval's steps, a turn's
-        self.recorders: tuple[Steps, ...] = ()
-        self._recording()
+        self.turn: Turn | None = None
 
     @property
-    def steps(self) -> Steps | None:
-        return self._steps
-
-    @steps.setter
-    def steps(self, steps: Steps | None) -> None:
-        self._steps = steps
-        self._recording()
-
-    @property
-    def turn(self) -> Turn | None:
-        return self._turn
-
-    @turn.setter
-    def turn(self, turn: Turn | None) -> None:
-        """A turn's recorder from now on (:meth:`~h2o_eval.cache.EvictionCache.begin_turn`), or none."""
-        self._turn = turn
-        self._recording()
-
-    def _recording(self) -> None:
-        self.recorders = tuple(steps for steps in (self._steps, self._turn) if steps is not None)
+    def recorders(self) -> tuple[Steps, ...]:
+        """What records each forward's attention input before the layer attends it: interval's steps, a turn's."""
+        return tuple(steps for steps in (self.steps, self.turn) if steps is not None)
 
     # -- the state, as transformers and the tests read it ------------------------------------------------------
 
