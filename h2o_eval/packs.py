@@ -54,6 +54,12 @@ def record(entry: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in entry.items() if key not in PACK_KEYS}
 
 
+def outputs_path(record: Path) -> Path:
+    """The per-document outputs of a run (each document's id and scores, and what a runner adds), next to its
+    record."""
+    return record.with_name(record.stem + OUTPUTS_SUFFIX)
+
+
 def outputs(path: Path) -> list[dict[str, Any]] | None:
     """The per-question rows of the outputs file ``path``: the file, or its record's rows in the pack beside it;
     None where neither is."""

@@ -179,16 +179,10 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
     atomic_write(path, json.dumps(record, indent=2, sort_keys=True, default=str))
 
 
-def outputs_path(record: Path) -> Path:
-    """The per-document outputs of a run (each document's id and scores, and what a runner adds), next to its
-    record."""
-    return record.with_name(f"{record.stem}.outputs.jsonl")
-
-
-def stored_outputs(results_dir: str | Path, config: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The outputs of the record ``config``'s setting has in ``results_dir``, or None without one."""
-    record = stored(record_path(results_dir, config))
-    return None if record is None else packs.outputs(outputs_path(record))
+def stored_outputs(path: Path) -> list[dict[str, Any]] | None:
+    """The outputs of the record of ``path``'s setting (:func:`stored`), or None without one."""
+    record = stored(path)
+    return None if record is None else packs.outputs(packs.outputs_path(record))
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -284,7 +278,7 @@ def pack(folder: Path) -> tuple[int, int]:
             records[path.name] = read_record(path)
         except UnreadableRecord as error:
             raise ValueError(f"{error}: move it away first") from None
-        if (found := packs.outputs(outputs_path(path))) is not None:
+        if (found := packs.outputs(packs.outputs_path(path))) is not None:
             rows[path.name] = found
     if not records:
         raise ValueError(f"no records in {folder}: give the folder a run wrote its records to")
@@ -295,7 +289,7 @@ def pack(folder: Path) -> tuple[int, int]:
     } != rows:
         raise RuntimeError(f"{written} does not read back as the records packed: the loose files are kept")
     for path in loose:
-        outputs_path(path).unlink(missing_ok=True)
+        packs.outputs_path(path).unlink(missing_ok=True)
         path.unlink()
     return len(records), written.stat().st_size
 

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from h2o_eval import results, settings, tracking
+from h2o_eval import packs, results, settings, tracking
 from h2o_eval.checks import check_settings, is_int
 from h2o_eval.errors import ConfigError
 from h2o_eval.policies import (
@@ -43,8 +43,9 @@ PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 class Spec:
     """A validated run, built once: its config with the defaults resolved, its task's runner, its built policy, its
     identity (the settings, the policy as built and the data's hash: :func:`h2o_eval.results.identity`), the
-    path of its record, and its settings that depart from the defaults (:func:`h2o_eval.settings.departures`), which
-    its summary line names."""
+    path of its record, its settings that depart from the defaults (:func:`h2o_eval.settings.departures`), which
+    its summary line names, and the record path of the run its outputs are set beside (the runner's
+    :meth:`~h2o_eval.runners.Runner.reference`), or None."""
 
     config: dict[str, Any]
     runner: Runner
@@ -52,6 +53,7 @@ class Spec:
     identity: dict[str, Any]
     path: Path
     departures: dict[str, Any]
+    reference: Path | None = None
 
 
 def validate(config: dict[str, Any]) -> Spec:
@@ -98,7 +100,9 @@ def validate(config: dict[str, Any]) -> Spec:
     _check_writable(Path(config["results_dir"]))
     ident = results.identity(resolved, policy)
     path = results.record_path(resolved["results_dir"], resolved, ident)
-    return Spec(resolved, runner, policy, ident, path, settings.departures(resolved, ident["built_policy"]))
+    reference = runner.reference(resolved)
+    beside = None if reference is None else results.record_path(resolved["results_dir"], reference)
+    return Spec(resolved, runner, policy, ident, path, settings.departures(resolved, ident["built_policy"]), beside)
 
 
 def check_turns(config: dict[str, Any], policy: Any, runner: str) -> None:
@@ -210,34 +214,24 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
     loaded, loaded_cpu = time.perf_counter(), time.process_time()
     device = next(model.parameters()).device
     runner = specs[0].runner
-    cells = [(spec.policy, spec.config) for spec in specs]
-
     made = {"device": str(device), "threads": applied_threads["torch"]}  # what may change an answer's rounding
-
-    def partial(group: list[Spec]) -> Partial:  # where the answers so far are kept (generation/partial.py)
-        paths = [spec.path for spec in group]
-        return Partial(results.partial_path(paths, group[0].config), [path.name for path in paths], git, made)
-
-    if len(cells) > 1 and all(runner.shares_prompts(config) for _, config in cells):
+    shared = len(specs) > 1 and all(runner.shares_prompts(spec.config) for spec in specs)
+    evaluations, peaks, partials = [], [], []
+    for group in [specs] if shared else [[spec] for spec in specs]:
         peak = PeakMemory(device)  # one peak for the cells evaluated together
-        partials = [partial(specs)]
-        evaluations = runner.evaluate_shared(model, tokenizer, cells, partials[0])
-        peaks = [peak.read()] * len(cells)
-        for evaluation in evaluations:
-            evaluation.fields["generation"]["shared_prompt_cells"] = len(cells)
-    else:
-        evaluations, peaks, partials = [], [], []
-        for spec, cell in zip(specs, cells, strict=True):
-            peak = PeakMemory(device)
-            partials.append(partial([spec]))
-            evaluations.extend(runner.evaluate_shared(model, tokenizer, [cell], partials[-1]))
-            peaks.append(peak.read())
-    for (_, config), evaluation in zip(cells, evaluations, strict=True):
-        if (reference := runner.reference(config)) is not None:
-            stored = results.stored_outputs(config["results_dir"], reference)
-            runner.compare(model, tokenizer, config, evaluation, stored)
-    seconds = (time.perf_counter() - loaded) / len(cells)
-    cpu = (time.process_time() - loaded_cpu) / len(cells)
+        paths = [spec.path for spec in group]  # where the answers so far are kept (generation/partial.py)
+        partials.append(Partial(results.partial_path(paths, group[0].config), [path.name for path in paths], git, made))
+        cells = [(spec.policy, spec.config) for spec in group]
+        evaluated = runner.evaluate_shared(model, tokenizer, cells, partials[-1])
+        peaks.extend([peak.read()] * len(group))
+        for evaluation in evaluated if shared else []:
+            evaluation.fields["generation"]["shared_prompt_cells"] = len(group)
+        evaluations.extend(evaluated)
+    for spec, evaluation in zip(specs, evaluations, strict=True):
+        if spec.reference is not None:
+            runner.compare(model, tokenizer, spec.config, evaluation, results.stored_outputs(spec.reference))
+    seconds = (time.perf_counter() - loaded) / len(specs)
+    cpu = (time.process_time() - loaded_cpu) / len(specs)
     walls = []
     for evaluation, peak in zip(evaluations, peaks, strict=True):
         earlier = evaluation.fields.get("generation", {}).get("resumed") or {}  # a stopped run's share, taken up
@@ -293,15 +287,16 @@ def finish(
         "git": git,
         "config": config,
     }
-    record["outputs"] = results.outputs_path(path).name
-    results.write_jsonl(results.outputs_path(path), evaluation.outputs)
+    record["outputs"] = packs.outputs_path(path).name
+    results.write_jsonl(packs.outputs_path(path), evaluation.outputs)
     results.write_record(path, record)
 
+    line = summary_line(record, spec.departures)  # printed last, below lm-eval's table
     if evaluation.table:
         print(evaluation.table)
     tracking.log_run(config["wandb"], record, path.stem, work_dir or Path(config["results_dir"]))
     _warn_tiny_budget(record)
-    print(summary_line(record, spec.departures))  # last, below lm-eval's table
+    print(line)
     print(f"record: {path}")
     return record
 

@@ -24,7 +24,7 @@ def loose_board(folder):
     for name, entry in packs.entries(BOARD).items():
         results.write_record(folder / name, packs.record(entry))
         if "rows" in entry:
-            results.write_jsonl(results.outputs_path(folder / name), entry["rows"])
+            results.write_jsonl(packs.outputs_path(folder / name), entry["rows"])
     return folder
 
 
@@ -78,7 +78,7 @@ def test_a_store_resumes_beside_its_pack_and_packing_again_folds_the_new_records
     last = folder / names[-1]
     kept = json.loads(last.read_text())
     last.unlink()
-    results.outputs_path(last).unlink()
+    packs.outputs_path(last).unlink()
     results.pack(folder)
     first = folder / names[0]
     assert (
@@ -92,7 +92,7 @@ def test_a_store_resumes_beside_its_pack_and_packing_again_folds_the_new_records
     assert scores and scores == stats.question_scores(record, BOARD, metric)
     assert results.stored(last) is None
     results.write_record(last, kept)
-    results.write_jsonl(results.outputs_path(last), packs.entries(BOARD)[names[-1]]["rows"])
+    results.write_jsonl(packs.outputs_path(last), packs.entries(BOARD)[names[-1]]["rows"])
     records, unreadable = results.read_records(folder)
     assert len(records) == 25 and not unreadable
     results.pack(folder)

@@ -128,23 +128,12 @@ def prompts(tokenizer: Any, config: Mapping[str, Any]) -> list[Prompt]:
     fit in the model's positions."""
     task = config["task"]
     documents = ruler.generate(
-        task, count_tokens=ruler.fit_counter(task, tokenizer), data_dir=config["data_dir"], limit=_count(config)
+        task,
+        count_tokens=ruler.fit_counter(task, tokenizer),
+        data_dir=config["data_dir"],
+        limit=first(task["samples"], config["limit"]),
     )
     return [wrap(tokenizer, document) for document in documents]
-
-
-def _count(config: Mapping[str, Any]) -> int:
-    return first(config["task"]["samples"], config["limit"])
-
-
-def check_positions(model: Any, items: Sequence[Prompt], task: Mapping[str, Any], name: str) -> None:
-    positions = getattr(model.config, "max_position_embeddings", None)
-    longest = max(len(p.context_ids) + max(len(q) for q in p.question_ids) for p in items)
-    if positions is not None and longest + task["max_new_tokens"] > positions:
-        raise ConfigError(
-            f"task.length={task['length']}: prompts of up to {longest} tokens plus {task['max_new_tokens']} new "
-            f"tokens exceed {name}'s {positions} positions: use a smaller task.length"
-        )
 
 
 def score(task: Mapping[str, Any], prediction: str, references: Sequence[str]) -> float:
@@ -204,7 +193,7 @@ class LongContextRunner(Runner):
         from h2o_eval.models import load_config
 
         task = config["task"]
-        ruler.check(task, config["data_dir"], _count(config))
+        ruler.check(task, config["data_dir"], first(task["samples"], config["limit"]))
         if config["num_fewshot"]:
             raise ConfigError(f"task {task['name']} has no few-shot examples: drop num_fewshot={config['num_fewshot']}")
         model = load_config(config["model"])
@@ -246,8 +235,13 @@ class LongContextRunner(Runner):
         config = cells[0][1]
         task = config["task"]
         items = prompts(tokenizer, config)
-        check_positions(model, items, task, config["model"]["name"])
         longest = max(len(item.context_ids) + max(map(len, item.question_ids), default=0) for item in items)
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if positions is not None and longest + task["max_new_tokens"] > positions:
+            raise ConfigError(
+                f"task.length={task['length']}: prompts of up to {longest} tokens plus {task['max_new_tokens']} new "
+                f"tokens exceed {config['model']['name']}'s {positions} positions: use a smaller task.length"
+            )
         row_bytes = kv_bytes_per_token(model) * (longest + task["max_new_tokens"]) * len(cells)
         memory = generation.available_memory(next(model.parameters()).device)
         rows = generation.fitting_rows(config["batch_size"], row_bytes, memory)

@@ -191,7 +191,8 @@ def scores(task: Mapping[str, Any], prediction: str, answer: str) -> dict[str, f
 def read_problems(config: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The run's problems: the first ``limit`` of its task's file."""
     task = config["task"]
-    problems = read_jsonl(data_file(task, config["data_dir"]), (task["problem"], task["answer"]))
+    path = data_file(task, config["data_dir"])
+    problems = read_jsonl(path, (task["problem"], task["answer"]))
     return problems[: first(len(problems), config["limit"])]
 
 
