@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import socket
 import stat
@@ -523,8 +524,10 @@ def test_a_record_carries_its_evaluations_peak_memory_at_least_its_weights_outsi
 
 def test_the_cpu_peak_is_reset_at_an_evaluations_start():
     """A large block freed before the evaluation starts is not its peak (where Linux lets the peak be reset)."""
-    block = torch.ones(2**26)  # 256 MiB, touched
-    del block
+    size = 2**28  # 256 MiB mapped and touched apart from the heap, whose free blocks may already be resident
+    with mmap.mmap(-1, size) as block:
+        for page in range(0, size, mmap.PAGESIZE):
+            block[page] = 1
     before = _vm_hwm()
     if before is None or not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("this system does not let a process read and reset its peak resident set")
