@@ -88,7 +88,7 @@ def load_model(name: str | dict[str, Any], *, device: str = "auto", dtype: str =
     source = spec["source"]
     if source == "random":
         model, tokenizer = _random_model(spec["config"], spec.get("seed", 0), torch_dtype, target)
-        return model.eval(), tokenizer
+        return decode_layout(model.eval()), tokenizer
     if source == "hub":
         model, tokenizer = _from_pretrained(spec["hf_id"], torch_dtype)
     elif source == "smollm2_gguf":
@@ -97,7 +97,22 @@ def load_model(name: str | dict[str, Any], *, device: str = "auto", dtype: str =
         model, tokenizer = _from_pretrained(str(_converted_gemma3()), torch_dtype)
     else:
         raise ConfigError(f"model source {source!r} is unknown: use hub, smollm2_gguf, gemma3_gguf or random")
-    return model.to(target).eval(), tokenizer
+    return decode_layout(model.to(target).eval()), tokenizer
+
+
+def decode_layout(model: torch.nn.Module) -> torch.nn.Module:
+    """On the CPU, each linear layer's weight [out, in] stored column-major (the same values, shape and
+    parameter; a tied embedding with it): torch's CPU product of a few rows by a weight so stored runs 1.3 to 2.7
+    times faster (a decode step's rows: SmolLM2's MLP at 10 rows, 32 -> 76-88 GFLOP/s on one thread), and as
+    many rows as a prompt's at the same rate, bit for bit the same from 61 rows on. Below that the products round
+    differently (about 1e-6), as they already do between batch sizes. Returns ``model``."""
+    if next(model.parameters()).device.type != "cpu":
+        return model
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.weight.is_contiguous():
+                module.weight.data = module.weight.data.t().contiguous().t()
+    return model
 
 
 def load_config(name: str | dict[str, Any]) -> Any | None:

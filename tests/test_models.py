@@ -7,7 +7,7 @@ import torch
 from conftest import TINY, fast_sample
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from h2o_eval import EvictionCache, load_model, make_policy, patch
+from h2o_eval import EvictionCache, load_model, make_policy, models, patch
 from h2o_eval.attention import layer_windows
 from h2o_eval.errors import ConfigError
 from h2o_eval.models import registry, resolve_dtype
@@ -149,3 +149,23 @@ def test_shape_llama_3_8b_has_llama_3_8bs_shapes_and_parameter_count():
     assert (config.vocab_size, config.rope_parameters["rope_theta"]) == (128256, 500000.0)
     assert config.max_position_embeddings >= 32768 + 1024
     assert sum(p.numel() for p in model.parameters()) == 8_030_261_248  # Meta-Llama-3-8B's count
+
+
+@torch.no_grad()
+def test_a_cpu_models_linear_weights_are_stored_column_major_with_their_values_and_ties(monkeypatch):
+    """Reference: the same seeded model with its weights as transformers builds them (row-major); implementation:
+    load_model's on the CPU, laid out for decoding (:func:`h2o_eval.models.decode_layout`)."""
+    spec = registry()["tiny-llama"]
+    spec = {**spec, "config": {**spec["config"], "tie_word_embeddings": True}}
+    laid, tokenizer = load_model(spec, device="cpu")
+    monkeypatch.setattr(models, "decode_layout", lambda model: model)
+    built, _ = load_model(spec, device="cpu")
+    linears = [name for name, module in laid.named_modules() if isinstance(module, torch.nn.Linear)]
+    assert len(linears) == 2 * 7 + 1
+    for name in linears:
+        weight, reference = laid.get_submodule(name).weight, built.get_submodule(name).weight
+        assert reference.is_contiguous() and weight.t().is_contiguous() and not weight.is_contiguous()
+        assert torch.equal(weight, reference)
+    assert laid.get_output_embeddings().weight is laid.get_input_embeddings().weight
+    ids = tokenizer("Heavy hitters keep the cache small.", return_tensors="pt").input_ids
+    torch.testing.assert_close(laid(ids).logits, built(ids).logits, rtol=1e-5, atol=1e-5)
