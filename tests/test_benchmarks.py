@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import REPO
 
-from h2o_eval.benchmarks import decode_speed, same_numbers, stacked_decode
+from h2o_eval.benchmarks import decode_speed, linear_layout, same_numbers, stacked_decode
 from h2o_eval.decode import bucket
 from h2o_eval.models import load_model
 
@@ -282,3 +282,13 @@ def test_a_timed_command_runs_beside_busy_processes_that_stop_with_its_round(mon
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_linear_layout_times_every_product_both_ways_at_each_number_of_rows(monkeypatch, capsys):
+    monkeypatch.setattr(linear_layout, "apply_threads", lambda threads: None)  # the worker's threads stay
+    monkeypatch.setattr(sys, "argv", ["linear_layout", "--model", "tiny-llama", "--rows", "1", "3", "--tries", "1"])
+    linear_layout.main()
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    products = ("query", "key, value", "output", "gate, up", "down", "logits")
+    assert [(row[0].lstrip("| "), row[2]) for row in rows] == [(name, n) for name in products for n in ("1", "3")]
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 and row[6] in ("yes |", "no |") for row in rows)

@@ -152,10 +152,12 @@ def kernel_seconds(shapes: Shapes, records: list[dict[str, Any]], mlp: float, lo
     return seconds
 
 
-def product_rate(rows: int, inner: int, outer: int, tries: int = 10) -> float:
+def product_rate(rows: int, inner: int, outer: int, tries: int = 10, column_major: bool = True) -> float:
     """FLOP/s of one fp32 product of ``rows`` tokens [rows, inner] by a weight [outer, inner] on this thread, as a
-    linear layer multiplies: the best of ``tries``."""
-    tokens, weight = torch.randn(rows, inner), torch.randn(outer, inner)
+    linear layer multiplies: the best of ``tries``. The weight is stored column-major, as a model loaded on the CPU
+    stores it (:func:`h2o_eval.models.decode_layout`), or row-major, as transformers builds it."""
+    tokens = torch.randn(rows, inner)
+    weight = torch.randn(inner, outer).t() if column_major else torch.randn(outer, inner)
     return 2 * rows * inner * outer / _fastest(lambda: torch.nn.functional.linear(tokens, weight), tries)
 
 
