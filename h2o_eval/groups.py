@@ -112,16 +112,11 @@ class Group:
         width = self.slots.width
         if self.most + n <= width:
             return self
-        size, rows = bucket(self.most + n) + ROOM, len(self.physical)
-        grown = []
-        for tensor, fill in zip(self.slots.tensors(), FILLS, strict=True):
-            buffer = tensor.new_empty((rows, *tensor.shape[1:2], size, *tensor.shape[3:]))
-            buffer[:, :, width:].fill_(fill)
-            for first, end, mine in self.runs:
-                buffer[mine : mine + end - first, :, :width] = tensor[first:end]
-            grown.append(buffer)
+        rows = len(self.physical)
+        runs = [(Slots(*(t[first:end] for t in self.slots.tensors())), mine, width) for first, end, mine in self.runs]
+        grown = laid_out(runs, rows, bucket(self.most + n) + ROOM)
         count = self.count if rows == self.count.shape[0] else self.count.index_select(0, self.physical_index)
-        return Group(Slots(*grown), count, self.most, self.rows, list(range(rows)))
+        return Group(grown, count, self.most, self.rows, list(range(rows)))
 
     def tensors(self) -> list[torch.Tensor]:
         """What a step reads and writes on the device."""
@@ -147,6 +142,22 @@ def runs(physical: list[int]) -> list[tuple[int, int, int]]:
         else:
             found.append((spot, spot + 1, mine))
     return found
+
+
+def laid_out(parts: list[tuple[Slots, int, int]], rows: int, size: int) -> Slots:
+    """New buffers of ``rows`` rows and ``size`` slots, each part's slots copied in: ``(slots, row, width)`` puts the
+    first ``width`` slots of each of its rows from ``row`` on, every slot after them free (:data:`FILLS`)."""
+    buffers = []
+    for index, fill in enumerate(FILLS):
+        like = parts[0][0].tensors()[index]
+        buffer = like.new_empty((rows, like.shape[1], size, *like.shape[3:]))
+        for slots, row, width in parts:
+            tensor = slots.tensors()[index]
+            held, end = min(tensor.shape[2], width), row + tensor.shape[0]
+            buffer[row:end, :, :held] = tensor[:, :, :held]
+            buffer[row:end, :, held:].fill_(fill)
+        buffers.append(buffer)
+    return Slots(*buffers)
 
 
 def attend_chunk_causally(query: torch.Tensor, slots: Slots, start: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -198,20 +209,11 @@ class StackedDecode:
         groups = []
         for width, members in sorted(laid.items()):
             rows = [row for member in members for row in member[3]]
-            first = members[0][0]
-            buffers = [
-                tensor.new_empty((len(rows), *tensor.shape[1:2], width + ROOM, *tensor.shape[3:]))
-                for tensor in first.dense().tensors()
-            ]
-            at = 0
-            for slots, _, _, own in members:
-                for buffer, tensor, fill in zip(buffers, slots.dense().tensors(), FILLS, strict=True):
-                    held = min(tensor.shape[2], width)
-                    buffer[at : at + len(own), :, :held] = tensor[:, :, :held]
-                    buffer[at : at + len(own), :, held:].fill_(fill)
-                at += len(own)
+            at = list(itertools.accumulate((len(member[3]) for member in members), initial=0))
+            parts = [(member[0].dense(), first, width) for member, first in zip(members, at[:-1], strict=True)]
+            buffers = laid_out(parts, len(rows), width + ROOM)
             count = torch.cat([member[1] for member in members])
-            groups.append(Group(Slots(*buffers), count, max(m[2] for m in members), rows, list(range(len(rows)))))
+            groups.append(Group(buffers, count, max(m[2] for m in members), rows, list(range(len(rows)))))
         return cls(groups)
 
     def prepare(self, n: int) -> None:
