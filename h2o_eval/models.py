@@ -267,6 +267,21 @@ def smollm2_tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(_converted(smollm2_gguf())))
 
 
+def random_config(config: dict[str, Any], tokenizer: Any) -> Any:
+    """The transformers config of a random model's registry ``config``, with ``tokenizer``'s vocabulary (unless the
+    config sets one) and special tokens."""
+    from transformers import AutoConfig
+
+    params = {"vocab_size": len(tokenizer), **config}
+    return AutoConfig.for_model(
+        params.pop("model_type"),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **params,
+    )
+
+
 def _random_model(
     config: dict[str, Any], seed: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.nn.Module, Any]:
@@ -274,18 +289,10 @@ def _random_model(
     would otherwise take 32 GB of CPU memory in float32 first), with SmolLM2's tokenizer. Its vocabulary is the
     tokenizer's unless the config sets one, as a real model's shapes do (ids past the tokenizer's have no text: such
     a model is timed on token ids)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tokenizer = smollm2_tokenizer()
-    params = {"vocab_size": len(tokenizer), **config}
-    model_type = params.pop("model_type")
-    hf_config = AutoConfig.for_model(
-        model_type,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **params,
-    )
+    hf_config = random_config(config, tokenizer)
     with torch.random.fork_rng(), device:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)

@@ -4,6 +4,8 @@ through ``python -m h2o_eval.grid +experiment=kv_leaderboard`` and through kvpre
 
     python -m h2o_eval.benchmarks.board_compare --kvpress KVPRESS --data-dir ../shared/data \\
         [--task niah_single_2] [--documents 1] [--rounds 2] [--model smollm2-135m] [--policy full,knorm] [--budget 0.5]
+    python -m h2o_eval.benchmarks.board_compare --kvpress KVPRESS --task niah_single_1 --model shape-llama-3-8b \\
+        --device cuda --new-tokens 32 --kvpress-budget 0.5      # on a GPU (results/gpu/board.sh)
 
 KVPRESS is the folder kvpress and its transformers are installed in, as ``kvpress_compare`` installs them. The grid
 runs the preset's cells (narrowed by ``--policy`` and ``--budget``, given as the grid takes them); kvpress runs those
@@ -15,7 +17,12 @@ different lengths need flash attention, absent on a CPU) is left out of its time
 
 Prints, per round, the CPU seconds per document and cell of each side (the grid's from its records'
 ``cpu_seconds``, which leave the model's load out; kvpress's around its pipeline calls), their ratio, and how many
-of the cells both ran give the same predictions on every document (naming those that do not).
+of the cells both ran give the same predictions on every document (naming those that do not). With ``--device
+cuda`` each side runs on the GPU in bfloat16 and the seconds are wall seconds (the records' ``wall_seconds``; the
+pipeline calls', the device synchronised). A random model (``shape-llama-3-8b``: Llama-3-8B's shapes) is built in
+kvpress's process from its config and seed, as h2o_eval builds it; ``--new-tokens`` fixes the answers' length at
+most (a random model seldom ends one), and a task that reads no data file (``niah_single_1``: a noise haystack)
+needs no ``--data-dir``.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 # The preset's policies that are entries of kvpress's board, as kvpress's registry builds each press (None: no press).
 BOARD = {
@@ -52,8 +60,8 @@ def grid_side(args: argparse.Namespace, out: Path) -> tuple[float, int, dict[tup
     from h2o_eval.results import load_records
 
     command = [sys.executable, "-m", "h2o_eval.grid", "+experiment=kv_leaderboard", f"model={args.model}",
-               f"task={args.task}", f"limit={args.documents}", f"data_dir={args.data_dir.resolve()}", "threads=1",
-               f"results_dir={out}", "overwrite=true", "wandb.mode=disabled", *args.narrow]  # fmt: skip
+               f"task={args.task}", f"limit={args.documents}", "threads=1", f"results_dir={out}", "overwrite=true",
+               "wandb.mode=disabled", *args.narrow, *settings(args)]  # fmt: skip
     print(f"grid: {' '.join(command[3:])}", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if done.returncode:
@@ -66,33 +74,43 @@ def grid_side(args: argparse.Namespace, out: Path) -> tuple[float, int, dict[tup
         option = options.get(cell(record["policy_params"], 0), record["policy"])
         key = (option, 1.0 if record["policy"] == "full" else record["budget"])
         predictions[key] = [o["prediction"] for o in sorted(outputs, key=lambda o: o["document"])]
-    return sum(r["cpu_seconds"] for r in records), len(records), predictions
+    spent = "wall_seconds" if args.device == "cuda" else "cpu_seconds"
+    return sum(r[spent] for r in records), len(records), predictions
+
+
+def settings(args: argparse.Namespace) -> list[str]:
+    """The grid's settings besides the preset's and the cells': the data, the device, the answers' length."""
+    device = ["device=cuda", "dtype=bfloat16"] if args.device == "cuda" else []
+    data = [f"data_dir={args.data_dir.resolve()}"] if args.data_dir else []
+    length = [f"task.length={args.length}"] if args.length else []
+    return data + device + length + ([f"task.max_new_tokens={args.new_tokens}"] if args.new_tokens else [])
 
 
 def kvpress_side(args: argparse.Namespace, cells: list[tuple[str, float]]) -> tuple[float, dict]:
-    """kvpress's pipeline on the documents for ``cells`` (in a subprocess whose path holds ``--kvpress``): its CPU
-    seconds and each cell's predictions."""
+    """kvpress's pipeline on the documents for ``cells`` (in a subprocess whose path holds ``--kvpress``): its
+    seconds (CPU, or wall on a GPU) and each cell's predictions."""
     from omegaconf import OmegaConf
 
-    from h2o_eval.benchmarks.kvpress_compare import model_folder
     from h2o_eval.names import compose
     from h2o_eval.ruler import fit_counter, generate
 
     config = OmegaConf.to_container(
-        compose(["+experiment=kv_leaderboard", f"model={args.model}", f"task={args.task}"]), resolve=True
+        compose(["+experiment=kv_leaderboard", f"model={args.model}", f"task={args.task}", *settings(args)]),
+        resolve=True,
     )
     from h2o_eval.models import load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     task = config["task"]
     documents = generate(task, count_tokens=fit_counter(task, tokenizer), data_dir=args.data_dir, limit=args.documents)
+    new_tokens = args.new_tokens or task["max_new_tokens"]
     with tempfile.TemporaryDirectory() as scratch:
         stub = Path(scratch) / "stub" / "datasets"
         stub.mkdir(parents=True)
         (stub / "__init__.py").write_text("def load_dataset(*args, **kwargs):\n    raise RuntimeError('no hub')\n")
         job, out = Path(scratch) / "job.json", Path(scratch) / "out.json"
         job.write_text(json.dumps({
-            "folder": model_folder(args.model), "max_new_tokens": task["max_new_tokens"],
+            **model_job(args.model), "max_new_tokens": new_tokens, "device": args.device,
             "cells": [[BOARD[policy], 1 - budget] for policy, budget in cells],
             "documents": [{"context": d["context"], "questions": d["questions"]} for d in documents],
         }))  # fmt: skip
@@ -104,24 +122,59 @@ def kvpress_side(args: argparse.Namespace, cells: list[tuple[str, float]]) -> tu
     return found["seconds"], {cell: answers for cell, answers in zip(cells, found["answers"], strict=True) if answers}
 
 
+def model_job(name: str) -> dict[str, Any]:
+    """How kvpress's process gets the model: the folder it loads (and its tokenizer's), or for a random model the
+    config and seed h2o_eval builds it from (:func:`job_model`) and SmolLM2's tokenizer folder."""
+    from h2o_eval import models
+    from h2o_eval.benchmarks.kvpress_compare import model_folder
+
+    spec = models.registry().get(name)
+    if spec is None or spec["source"] != "random":
+        folder = model_folder(name)
+        return {"folder": folder, "tokenizer": folder}
+    tokenizer = models.smollm2_tokenizer()
+    config = models.random_config(spec["config"], tokenizer).to_dict()
+    return {"config": config, "seed": spec.get("seed", 0), "tokenizer": tokenizer.name_or_path}
+
+
+def job_model(job: dict[str, Any]) -> Any:
+    """The job's model in eval mode, on its device: loaded from its folder (float32 on the CPU), or built from its
+    config with its seed's random weights as h2o_eval builds a random model (bfloat16 on a GPU, float32 on the
+    CPU)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(job["device"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if "folder" in job:
+        return AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).to(device).eval()
+    params = dict(job["config"])
+    config = AutoConfig.for_model(params.pop("model_type"), **params)
+    with torch.random.fork_rng(), device:
+        torch.manual_seed(job["seed"])
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
 def serve(job_path: Path, out_path: Path) -> None:
     """kvpress's side, in kvpress's environment: its pipeline on every document for every cell."""
     import kvpress
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
     job = json.loads(job_path.read_text())
-    model = AutoModelForCausalLM.from_pretrained(job["folder"], dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(job["folder"])
-    pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device="cpu")
+    model = job_model(job)
+    tokenizer = AutoTokenizer.from_pretrained(job["tokenizer"])
+    pipe = kvpress.KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer, device=job["device"])
+    cuda = job["device"] == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
     torch.manual_seed(42)  # evaluate.py's seed, once per run
     answers, seconds = [], 0.0
     for expression, ratio in job["cells"]:
         press = None if expression is None else eval(expression, vars(kvpress))  # BOARD's presses, named by us
         if press is not None:
             press.compression_ratio = ratio
-        own, began = [], time.process_time()
+        own, began = [], clock()
         try:
             for document in job["documents"]:
                 [question] = document["questions"]
@@ -133,7 +186,9 @@ def serve(job_path: Path, out_path: Path) -> None:
             print(f"kvpress fails: {expression} at {ratio}: {str(error)[:120]}", file=sys.stderr, flush=True)
             answers.append(None)
             continue
-        seconds += time.process_time() - began
+        if cuda:
+            torch.cuda.synchronize()
+        seconds += clock() - began
         answers.append(own)
     out_path.write_text(json.dumps({"seconds": seconds, "answers": answers}))
 
@@ -149,16 +204,20 @@ def main() -> None:
     parser.add_argument("--policy", help="the grid's policy sweep, narrowed (default: the preset's)")
     parser.add_argument("--budget", help="the grid's budget sweep, narrowed (default: the preset's)")
     parser.add_argument("--kvpress-budget", type=float, nargs="+", help="kvpress's cells at these budgets only")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--new-tokens", type=int, help="the answers' length at most (default: the task's)")
+    parser.add_argument("--length", type=int, help="the documents' length in tokens (default: the preset's, 4096)")
     parser.add_argument("--serve", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(*args.serve)
         return
-    if args.kvpress is None or args.data_dir is None:
-        parser.error("give --kvpress and --data-dir")
+    if args.kvpress is None:
+        parser.error("give --kvpress (and --data-dir where the task reads data files)")
     args.narrow = [f"{key}={value}" for key, value in (("policy", args.policy), ("budget", args.budget)) if value]
-    print(f"{args.model}, {args.task}, {args.documents} document(s), one thread each side")
-    print("| round | side | cells | CPU s per document and cell | ratio | same predictions |")
+    where = "on the GPU, wall" if args.device == "cuda" else "one thread each side, CPU"
+    print(f"{args.model}, {args.task}, {args.documents} document(s), {where} seconds")
+    print(f"| round | side | cells | {where.split(', ')[-1]} s per document and cell | ratio | same predictions |")
     print("|---|---|---:|---:|---:|---|")
     for round_ in range(1, args.rounds + 1):
         with tempfile.TemporaryDirectory() as out:

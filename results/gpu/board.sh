@@ -5,13 +5,20 @@
 #
 #     bash results/gpu/board.sh [OUT]        # OUT: results/gpu/board_<commit>, or $OUT on the device machine
 #
-# Run it where h2o_eval is importable (../shared/GPU.md: the carried wheels and PYTHONPATH). It writes each
-# benchmark's own output, one file each, as it goes, so a run cut short keeps what it measured. Not here: kvpress's
-# pipeline on the same card and cells (docs/costs.md: board_compare, on the CPU).
+# Run it where h2o_eval is importable (../shared/GPU.md: the carried wheels and PYTHONPATH; the grid also needs
+# hydra-core and transformers' `kernels`). It writes each benchmark's own output, one file each, as it goes, so a run
+# cut short keeps what it measured. With KVPRESS=DIR (kvpress 0.5.5 and its transformers installed there, as
+# GPU.md says) it first runs the board's cells on niah_single_1 (a noise haystack: no data file) through the grid
+# and through kvpress's pipeline on the same card, 32 new tokens, kvpress's cells at budget 0.5.
 set -euo pipefail
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${COMMIT:-unknown}")
 out=${1:-results/gpu/board_$commit}
 mkdir -p "$out"
+if [[ -n "${KVPRESS:-}" ]]; then
+    timeout 420 python -m h2o_eval.benchmarks.board_compare --kvpress "$KVPRESS" --task niah_single_1 \
+        --model shape-llama-3-8b --device cuda --new-tokens 32 --rounds 1 --kvpress-budget 0.5 \
+        | tee "$out/board_compare.md" || echo "board_compare failed (exit $?): the checks below still run"
+fi
 cells17=full,knorm,snapkv,streaming,tova
 cells61=$cells17,h2o,local,heavy,random,keydiff,pyramidkv,expected_attention,criticalkv,adakv,observed_attention,lagkv
 for policies in full "$cells17" "$cells61"; do
