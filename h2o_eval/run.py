@@ -224,8 +224,9 @@ def compute(specs: list[Spec], work_dir: Path | None = None) -> list[dict[str, A
         cells = [(spec.policy, spec.config) for spec in group]
         evaluated = runner.evaluate_shared(model, tokenizer, cells, partials[-1])
         peaks.extend([peak.read()] * len(group))
-        for evaluation in evaluated if shared else []:
-            evaluation.fields["generation"]["shared_prompt_cells"] = len(group)
+        if shared:
+            for evaluation in evaluated:
+                evaluation.fields["generation"]["shared_prompt_cells"] = len(group)
         evaluations.extend(evaluated)
     for spec, evaluation in zip(specs, evaluations, strict=True):
         if spec.reference is not None:
