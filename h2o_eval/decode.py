@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 FREE = -(2**62)  # the position of a free slot
+FILLS = (0, 0, False, FREE, -torch.inf)  # what a free slot's keys, values, held, position and score hold
 DEAD = 2**62  # the position of a slot beyond its KV head's capacity
 BUCKET = 64  # growing buffers take whole buckets of slots: at least one, and at least 1/64 of what they hold
 
@@ -117,14 +118,24 @@ def widened(slots: Slots, size: int) -> Slots:
     slots = slots.dense()
     if size == slots.width and all(tensor.is_contiguous() for tensor in slots.tensors()):
         return slots
-    fill = (0, False, FREE, -torch.inf)
-    grown = []
-    for tensor, value in zip(slots.tensors(), (fill[0], *fill), strict=True):
-        buffer = tensor.new_empty((*tensor.shape[:2], size, *tensor.shape[3:]))
-        buffer[:, :, : slots.width] = tensor
-        buffer[:, :, slots.width :].fill_(value)
-        grown.append(buffer)
-    return Slots(*grown)
+    return laid_out([(slots, 0, slots.width)], slots.keys.shape[0], size)
+
+
+def laid_out(parts: list[tuple[Slots, int, int]], rows: int, size: int) -> Slots:
+    """New buffers of ``rows`` rows and ``size`` slots (dense), each part's slots copied in: ``(slots, row, width)``
+    puts the first ``width`` slots of each of its rows from ``row`` on, every slot after them free
+    (:data:`FILLS`)."""
+    buffers = []
+    for index, fill in enumerate(FILLS):
+        like = parts[0][0].tensors()[index]
+        buffer = like.new_empty((rows, like.shape[1], size, *like.shape[3:]))
+        for slots, row, width in parts:
+            tensor = slots.tensors()[index]
+            held, end = min(tensor.shape[2], width), row + tensor.shape[0]
+            buffer[row:end, :, :held] = tensor[:, :, :held]
+            buffer[row:end, :, held:].fill_(fill)
+        buffers.append(buffer)
+    return Slots(*buffers)
 
 
 def ragged(slots: Slots, room: int, counts: list[list[int]]) -> Slots:
@@ -171,7 +182,7 @@ def regrown(slots: Slots, room: int, counts: list[list[int]]) -> Slots:
         moved = tensor.gather(1, source.expand(-1, -1, dim))
         rows.append(tensor.new_zeros(batch, total + 1, dim).scatter_(1, target.expand(-1, -1, dim), moved))
     state = []
-    for tensor, fill in zip((slots.held, slots.position, slots.scores), (False, FREE, -torch.inf), strict=True):
+    for tensor, fill in zip((slots.held, slots.position, slots.scores), FILLS[2:], strict=True):
         grown = tensor.new_full((*tensor.shape[:2], width), fill)
         grown[..., :kept] = tensor[..., :kept]
         state.append(grown)

@@ -14,7 +14,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from h2o_eval.attention import key_validity, plain_attention
-from h2o_eval.decode import BUCKET, FREE, Slots, attend, bucket
+from h2o_eval.decode import BUCKET, Slots, attend, bucket, laid_out
 from h2o_eval.errors import ConfigError
 from h2o_eval.graphs import host_state, restore_host_state
 from h2o_eval.kernels.reference import CONSTANTS
@@ -48,7 +48,6 @@ class LayersOfCaches(CacheLayerMixin):
         return -1
 
 
-FILLS = (0, 0, False, FREE, -torch.inf)  # what a free slot's keys, values, held, position and score hold
 ROOM = 128  # slots a group lays out beyond a bucket of what it holds (an answer's tokens): it seldom widens
 
 
@@ -142,22 +141,6 @@ def runs(physical: list[int]) -> list[tuple[int, int, int]]:
         else:
             found.append((spot, spot + 1, mine))
     return found
-
-
-def laid_out(parts: list[tuple[Slots, int, int]], rows: int, size: int) -> Slots:
-    """New buffers of ``rows`` rows and ``size`` slots, each part's slots copied in: ``(slots, row, width)`` puts the
-    first ``width`` slots of each of its rows from ``row`` on, every slot after them free (:data:`FILLS`)."""
-    buffers = []
-    for index, fill in enumerate(FILLS):
-        like = parts[0][0].tensors()[index]
-        buffer = like.new_empty((rows, like.shape[1], size, *like.shape[3:]))
-        for slots, row, width in parts:
-            tensor = slots.tensors()[index]
-            held, end = min(tensor.shape[2], width), row + tensor.shape[0]
-            buffer[row:end, :, :held] = tensor[:, :, :held]
-            buffer[row:end, :, held:].fill_(fill)
-        buffers.append(buffer)
-    return Slots(*buffers)
 
 
 def attend_chunk_causally(query: torch.Tensor, slots: Slots, start: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -175,7 +175,7 @@ class EvictionLayer(CacheLayerMixin):
         if step == "rehearse":
             return self._rehearse(module, query, key, value, attention_mask, scaling, arriving, hidden_states)
         self.scaling = scaling
-        if step == "decode":  # under decoding=interval, its compression when due (Intervals)
+        if step == "decode":  # the layout's host work (under decoding=interval first a compression when due)
             self.layout.prepare()
         elif self.steps is not None and between(self):  # decoding=interval: a compression due before this chunk
             self.compress_held()
