@@ -288,8 +288,9 @@ def finish(
         "git": git,
         "config": config,
     }
-    record["outputs"] = packs.outputs_path(path).name
-    results.write_jsonl(packs.outputs_path(path), evaluation.outputs)
+    outputs = packs.outputs_path(path)
+    record["outputs"] = outputs.name
+    results.write_jsonl(outputs, evaluation.outputs)
     results.write_record(path, record)
 
     line = summary_line(record, spec.departures)  # printed last, below lm-eval's table
