@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o_eval.errors import ConfigError
-from h2o_eval.ruler.sources import DATASETS, data_file, data_files, qa_data
+from h2o_eval.ruler.sources import DATASETS, data_files, qa_data
 from h2o_eval.ruler.tasks import DEPTHS, FAMILIES, FIT_TOKENIZERS, HAYSTACKS, METRICS, NEEDLE_TYPES, PARAMETERS
 
 
@@ -45,9 +45,9 @@ def check(task: Mapping[str, Any], data_dir: str | Path | None, documents: int |
     if task.get("text_field") is not None and not task.get("haystack"):
         raise ConfigError("task.text_field names a field of task.haystack: set task.haystack=FILE or text_field=null")
     {"niah": _check_niah, "vt": _check_vt, "cwe": _check_cwe, "fwe": _check_fwe, "qa": _check_qa}[family](task)
-    data_files(task, data_dir)
+    paths = data_files(task, data_dir)
     if family == "qa":
-        available = len(qa_data(task["dataset"], data_file(data_dir, DATASETS[task["dataset"]], task))[0])
+        available = len(qa_data(task["dataset"], paths[0])[0])
         count = task["samples"] if documents is None else documents
         if count * questions > available:
             raise ConfigError(

@@ -127,11 +127,9 @@ def prompts(tokenizer: Any, config: Mapping[str, Any]) -> list[Prompt]:
     """The run's documents (the first ``limit``), wrapped, after checking that the longest prompt and its answer
     fit in the model's positions."""
     task = config["task"]
+    counter = ruler.fit_counter(task, tokenizer)
     documents = ruler.generate(
-        task,
-        count_tokens=ruler.fit_counter(task, tokenizer),
-        data_dir=config["data_dir"],
-        limit=first(task["samples"], config["limit"]),
+        task, count_tokens=counter, data_dir=config["data_dir"], limit=first(task["samples"], config["limit"])
     )
     return [wrap(tokenizer, document) for document in documents]
 
