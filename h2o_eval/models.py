@@ -289,11 +289,15 @@ def _random_model(
     would otherwise take 32 GB of CPU memory in float32 first), with SmolLM2's tokenizer. Its vocabulary is the
     tokenizer's unless the config sets one, as a real model's shapes do (ids past the tokenizer's have no text: such
     a model is timed on token ids)."""
+    tokenizer = smollm2_tokenizer()
+    return seeded_model(random_config(config, tokenizer), seed, dtype, device), tokenizer
+
+
+def seeded_model(config: Any, seed: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A model of the transformers ``config`` whose weights are drawn from ``seed``, created on ``device`` in
+    ``dtype``, the caller's random state left as it was."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = smollm2_tokenizer()
-    hf_config = random_config(config, tokenizer)
     with torch.random.fork_rng(), device:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    return model, tokenizer
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -144,15 +144,15 @@ def job_model(job: dict[str, Any]) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from h2o_eval.models import seeded_model
+
     device = torch.device(job["device"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if "folder" in job:
         return AutoModelForCausalLM.from_pretrained(job["folder"], dtype=dtype).to(device).eval()
     params = dict(job["config"])
     config = AutoConfig.for_model(params.pop("model_type"), **params)
-    with torch.random.fork_rng(), device:
-        torch.manual_seed(job["seed"])
-        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return seeded_model(config, job["seed"], dtype, device).eval()
 
 
 def serve(job_path: Path, out_path: Path) -> None:
